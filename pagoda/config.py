@@ -1,0 +1,209 @@
+"""Engine configuration: one dataclass per concern, gathered in `EngineConfig`.
+
+`EngineConfig.create(**kwargs)` is the single place where user settings (from `LLM(...)`
+or CLI flags) are checked and resolved against the model, so every later component can
+trust its config without re-validating.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ConfigError(ValueError):
+    """An invalid engine setting; the message names the field and the limit."""
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("device is 'cuda' but torch sees no CUDA device")
+        if self.attention_backend == "auto":
+            self.attention_backend = "torch"
+        if self.attention_backend not in ("torch",):
+            raise ConfigError(f"attention_backend must be one of ['torch'], got {self.attention_backend!r}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+@dataclass
+class ModelConfig:
+    """The model to serve. `model=None` means the default SmolLM2-135M-Instruct GGUF."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    hf_config: Any = field(default=None, repr=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return head_dim or self.hf_config.hidden_size // self.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def derived_max_model_len(self) -> int:
+        return int(getattr(self.hf_config, "max_position_embeddings", 2048))
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            raise ConfigError(f"num_gpu_blocks must be >= 2 (one is the null block), got {self.num_gpu_blocks}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ConfigError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    rank: int = 0
+    distributed_init_method: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be 1 for now")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+
+    @classmethod
+    def create(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (the `LLM(...)` / CLI flag names)."""
+        from pagoda.model.loader import load_hf_config, resolve_model
+
+        groups = {
+            "model_config": ModelConfig,
+            "cache_config": CacheConfig,
+            "scheduler_config": SchedulerConfig,
+            "parallel_config": ParallelConfig,
+            "device_config": DeviceConfig,
+        }
+        split: dict[str, dict[str, Any]] = {name: {} for name in groups}
+        owners = {f.name: name for name, klass in groups.items() for f in dataclasses.fields(klass)}
+        for key, value in kwargs.items():
+            if key not in owners or key in ("hf_config",):
+                raise ConfigError(f"unknown engine argument {key!r}")
+            split[owners[key]][key] = value
+
+        device_config = DeviceConfig(**split["device_config"])
+        model_config = ModelConfig(**split["model_config"])
+        model_config.model, model_config.load_format = resolve_model(model_config.model, model_config.load_format)
+        model_config.hf_config = load_hf_config(model_config.model, model_config.load_format)
+        model_config.dtype = _resolve_dtype(model_config.dtype, device_config)
+
+        limit = model_config.derived_max_model_len
+        if model_config.max_model_len is None:
+            model_config.max_model_len = limit
+        elif not 1 <= model_config.max_model_len <= limit:
+            raise ConfigError(
+                f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
+                f"got {model_config.max_model_len}"
+            )
+
+        scheduler_kwargs = split["scheduler_config"]
+        scheduler_kwargs["max_model_len"] = model_config.max_model_len
+        scheduler_config = SchedulerConfig(**scheduler_kwargs)
+        if scheduler_config.max_num_batched_tokens is None:
+            default_budget = 8192 if scheduler_config.enable_chunked_prefill else model_config.max_model_len
+            scheduler_config.max_num_batched_tokens = max(default_budget, scheduler_config.max_num_seqs)
+        if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < model_config.max_model_len:
+            raise ConfigError(
+                "max_num_batched_tokens must be >= max_model_len "
+                f"({model_config.max_model_len}) when chunked prefill is off, "
+                f"got {scheduler_config.max_num_batched_tokens}"
+            )
+        return cls(
+            model_config=model_config,
+            cache_config=CacheConfig(**split["cache_config"]),
+            scheduler_config=scheduler_config,
+            parallel_config=ParallelConfig(**split["parallel_config"]),
+            device_config=device_config,
+        )
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device_config: DeviceConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device_config.is_cuda else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
