@@ -184,7 +184,10 @@ class EngineConfig:
         if scheduler_config.max_num_batched_tokens is None:
             default_budget = 8192 if scheduler_config.enable_chunked_prefill else model_config.max_model_len
             scheduler_config.max_num_batched_tokens = max(default_budget, scheduler_config.max_num_seqs)
-        if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < model_config.max_model_len:
+        if (
+            not scheduler_config.enable_chunked_prefill
+            and scheduler_config.max_num_batched_tokens < model_config.max_model_len
+        ):
             raise ConfigError(
                 "max_num_batched_tokens must be >= max_model_len "
                 f"({model_config.max_model_len}) when chunked prefill is off, "

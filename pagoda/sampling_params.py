@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pagoda.errors import InvalidRequestError
 
-class SamplingParamsError(ValueError):
+
+class SamplingParamsError(InvalidRequestError):
     """An invalid sampling setting; the message names the field and its range."""
 
 
@@ -42,7 +44,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, limit: str, value: object) -> SamplingParamsError:
-            return SamplingParamsError(f"{name} must be {limit}, got {value!r}")
+            return SamplingParamsError(name, f"{name} must be {limit}, got {value!r}")
 
         if not self.temperature >= 0.0:
             raise bad("temperature", ">= 0", self.temperature)

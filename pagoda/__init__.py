@@ -1,0 +1,8 @@
+"""Pagoda: a fast LLM inference engine."""
+
+from pagoda.entrypoints.llm import LLM
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"

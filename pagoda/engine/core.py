@@ -1,0 +1,73 @@
+"""`EngineCore`: the step loop. Schedule, execute, update — nothing else.
+
+The loop is a batch queue: `step()` schedules and submits a batch, then collects the oldest
+batch in flight. At depth 1 (today) that is schedule -> execute -> update; at depth 2 the
+CPU will schedule step N+1 while the device runs step N, and pipeline stages reuse the
+same queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from pagoda.config import EngineConfig
+from pagoda.executor.abstract import Executor
+from pagoda.executor.uniproc import UniProcExecutor
+from pagoda.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagoda.scheduler.output import SchedulerOutput
+from pagoda.scheduler.request import Request, RequestStatus
+from pagoda.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] = UniProcExecutor) -> None:
+        self.config = config
+        self.executor = executor_class(config)
+        num_blocks = self.executor.determine_num_kv_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        self.batch_queue_size = 1
+        self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests for a reason the core cannot see itself (a stop string)."""
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_work(self) -> bool:
+        return (
+            self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests() or bool(self.batch_queue)
+        )
+
+    def step(self) -> list[EngineCoreOutput]:
+        if len(self.batch_queue) < self.batch_queue_size and (
+            self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+        ):
+            scheduler_output = self.scheduler.schedule()
+            # An empty schedule still travels when it tells the workers to drop requests.
+            if not scheduler_output.is_empty or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+                self.batch_queue.append((scheduler_output, self.executor.execute_model(scheduler_output)))
+        if not self.batch_queue:
+            return []
+        scheduler_output, model_runner_output = self.batch_queue.popleft()
+        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless no request state is left anywhere and the KV pool is whole."""
+        assert not self.batch_queue, "batches still in flight"
+        self.scheduler.check_idle()
+        runner = getattr(self.executor, "worker", None)
+        if runner is not None and runner.model_runner is not None:
+            assert not runner.model_runner.requests, f"runner still holds {list(runner.model_runner.requests)}"
+            assert runner.model_runner.input_batch.num_reqs == 0, "runner batch not empty"
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,71 @@
+"""`LLMEngine`: request in, outputs out — processor, core and output processor in one process."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from pagoda.config import EngineConfig
+from pagoda.engine.core import EngineCore
+from pagoda.engine.output_processor import OutputProcessor
+from pagoda.engine.processor import Processor, PromptType
+from pagoda.errors import InvalidRequestError
+from pagoda.model.loader import get_eos_token_ids, load_tokenizer
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_config = config.model_config
+        self.tokenizer = load_tokenizer(model_config.model, model_config.load_format, model_config.tokenizer)
+        eos_token_ids = get_eos_token_ids(
+            model_config.model, model_config.load_format, model_config.hf_config, self.tokenizer
+        )
+        self.processor = Processor(config, self.tokenizer, eos_token_ids)
+        self.engine_core = EngineCore(config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> str:
+        """Validate and queue a request; raises InvalidRequestError before anything is queued."""
+        request, prompt_text = self.process(prompt, params, request_id)
+        self.enqueue(request, prompt_text)
+        return request.request_id
+
+    def process(
+        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
+    ) -> tuple[Request, str | None]:
+        """Validate and tokenize without queueing (so a batch can be checked whole first)."""
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        if request_id in self.output_processor.request_states:
+            raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
+        return self.processor.process(request_id, prompt, params)
+
+    def enqueue(self, request: Request, prompt_text: str | None) -> None:
+        self.output_processor.add_request(
+            request.request_id, prompt_text, request.prompt_token_ids, request.sampling_params
+        )
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        self.engine_core.abort_requests(request_ids)
+        return self.output_processor.abort_requests(request_ids)
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:
+            self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.engine_core.has_work()
+
+    def check_idle(self) -> None:
+        assert not self.output_processor.request_states, "output processor still holds requests"
+        self.engine_core.check_idle()

@@ -1,0 +1,66 @@
+"""Validates and tokenizes a request before it reaches the core.
+
+Everything a user can get wrong is caught here, with an error naming the field and the
+limit, so a bad request never enters the scheduler and never disturbs the others.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from pagoda.config import EngineConfig
+from pagoda.errors import InvalidRequestError
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler.request import Request
+
+PromptType = str | list[int]
+
+
+class Processor:
+    def __init__(
+        self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: set[int]
+    ) -> None:
+        self.max_model_len = config.model_config.max_model_len
+        self.vocab_size = config.model_config.vocab_size
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this model has no tokenizer: send prompt token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError("prompt", "prompt must be a string or a list of token ids")
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams) -> tuple[Request, str | None]:
+        prompt_text, prompt_token_ids = self.tokenize(prompt)
+        self._check_token_ids("prompt", prompt_token_ids)
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "prompt must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"prompt has {len(prompt_token_ids)} tokens; with at least one generated token it must fit "
+                f"max_model_len ({self.max_model_len}), so at most {self.max_model_len - 1} prompt tokens",
+            )
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+        params = params.clone()
+        params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_ids=set() if params.ignore_eos else set(self.eos_token_ids),
+        )
+        return request, prompt_text
+
+    def _check_token_ids(self, field: str, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                field, f"{field} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+            )

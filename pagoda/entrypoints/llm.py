@@ -1,0 +1,114 @@
+"""`LLM`: the offline Python API, shaped like vLLM's so existing code ports unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagoda.config import EngineConfig
+from pagoda.engine.chat import Conversation, render_chat
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.processor import PromptType
+from pagoda.errors import InvalidRequestError
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate text offline. `LLM()` with no model serves SmolLM2-135M-Instruct (GGUF)."""
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.create(model=model, **engine_kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run a batch to completion; outputs come back in the order of the prompts."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        request_ids = self._add_all(prompt_list, params_list)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation or a list of them with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(
+        self, messages: Conversation, add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> list[int]:
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("messages", "this model has no tokenizer, so no chat template")
+        return render_chat(tokenizer, messages, add_generation_prompt, chat_template)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the cumulative output of one request after every step (for the CLI)."""
+        engine = self.llm_engine
+        request_id = engine.add_request(prompt, sampling_params or SamplingParams())
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.request_id == request_id:
+                        yield output
+        finally:
+            if request_id in engine.output_processor.request_states:
+                engine.abort_requests([request_id])
+                while engine.engine_core.has_work():
+                    engine.step()
+
+    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        """Validate every request first, so a bad one rejects the batch before any runs."""
+        engine = self.llm_engine
+        processed = [engine.process(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        for request, prompt_text in processed:
+            engine.enqueue(request, prompt_text)
+        return [request.request_id for request, _ in processed]
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm or len(request_ids) < 2) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise InvalidRequestError("sampling_params", f"got {len(params)} sampling params for {n} prompts")
+    return params

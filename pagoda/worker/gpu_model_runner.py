@@ -1,0 +1,347 @@
+"""`GPUModelRunner`: turns a `SchedulerOutput` into one forward pass and sampled tokens.
+
+The seed's chapter 5. It owns the persistent `InputBatch`, the model, the KV cache and the
+static input buffers; it decides nothing about policy. Despite the name it runs on the CPU
+too: the device comes from `DeviceConfig`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagoda.attention.backends import get_attention_backend
+from pagoda.attention.metadata import AttentionMetadata
+from pagoda.config import EngineConfig
+from pagoda.outputs import ModelRunnerOutput
+from pagoda.sample.metadata import SamplingMetadata
+from pagoda.sample.sampler import Sampler, SamplerOutput
+from pagoda.scheduler.output import SchedulerOutput
+from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
+from pagoda.worker.cuda_graph import CUDAGraphMode
+from pagoda.worker.input_batch import CachedRequestState, InputBatch
+from pagoda.worker.kv_connector.base import KVConnector
+
+
+@dataclass
+class PreparedInputs:
+    """What `_prepare_inputs` hands to the forward pass and the sampler."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    num_scheduled_tokens: int
+    # Flat token index of the last scheduled token of each row that samples this step.
+    logits_indices: torch.Tensor
+    # Batch rows that sample (their prompt is complete after this step).
+    sample_rows: np.ndarray
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+class GPUModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.cache_config = config.cache_config
+        self.scheduler_config = config.scheduler_config
+        self.device = device
+        self.dtype = self.model_config.dtype
+
+        self.max_num_reqs = self.scheduler_config.max_num_seqs
+        self.max_num_tokens = self.scheduler_config.max_num_batched_tokens
+        self.max_model_len = self.model_config.max_model_len
+        self.block_size = self.cache_config.block_size
+        self.num_kv_heads = self.model_config.num_kv_heads
+        self.head_size = self.model_config.head_size
+        self.vocab_size = self.model_config.vocab_size
+        self.max_num_blocks_per_req = cdiv(self.max_model_len, self.block_size)
+        self.pin_memory = device.type == "cuda"
+
+        self.input_batch = InputBatch(
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            max_num_blocks_per_req=self.max_num_blocks_per_req,
+            device=device,
+            pin_memory=self.pin_memory,
+        )
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.kv_connector = KVConnector()
+        self.attn_backend = get_attention_backend(config.device_config.attention_backend)
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        # Seeds for requests that bring none: drawn from the engine seed, so runs repeat.
+        self._seed_rng = np.random.default_rng(self.model_config.seed)
+
+        # Static, max-size input buffers: every step writes into the same addresses.
+        def buffer(size: int, dtype: torch.dtype) -> CpuGpuBuffer:
+            return CpuGpuBuffer(size, dtype, device, self.pin_memory)
+
+        self.input_ids = buffer(self.max_num_tokens, torch.int64)
+        self.positions = buffer(self.max_num_tokens, torch.int64)
+        self.slot_mapping = buffer(self.max_num_tokens, torch.int64)
+        self.query_start_loc = buffer(self.max_num_reqs + 1, torch.int32)
+        self.seq_lens = buffer(self.max_num_reqs, torch.int32)
+        self.logits_indices = buffer(self.max_num_reqs, torch.int64)
+        self.sample_rows = buffer(self.max_num_reqs, torch.int64)
+        self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        from pagoda.model.loader import get_model
+
+        self.model = get_model(self.model_config, self.attn_backend, self.device)
+
+    def get_kv_cache_block_bytes(self) -> int:
+        """Bytes one KV block takes across all layers (K and V)."""
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size * element
+        return per_layer * self.model_config.num_layers
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model_config.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Run the largest batch once (forward + sampler) so peak activation memory shows.
+
+        Uses a throwaway one-block KV cache with every slot set to -1 (write nowhere), so it
+        can run before the real cache exists.
+        """
+        assert self.model is not None
+        num_tokens = self.max_num_tokens
+        num_reqs = min(self.max_num_reqs, num_tokens)
+        query_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        query_lens[: num_tokens % num_reqs] += 1
+        cu = np.concatenate([[0], np.cumsum(query_lens)])
+        dummy_cache = torch.zeros(
+            (2, 1, self.block_size, self.num_kv_heads, self.head_size), dtype=self.dtype, device=self.device
+        )
+        max_blocks = cdiv(int(query_lens.max()), self.block_size)
+        metadata = AttentionMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(query_lens.max()),
+            block_size=self.block_size,
+            query_start_loc=torch.from_numpy(cu).to(self.device, torch.int32),
+            seq_lens=torch.from_numpy(query_lens).to(self.device, torch.int32),
+            block_table=torch.zeros((num_reqs, max_blocks), dtype=torch.int32, device=self.device),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc_cpu=torch.from_numpy(cu).to(torch.int32),
+            seq_lens_cpu=torch.from_numpy(query_lens).to(torch.int32),
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in query_lens])).to(self.device)
+        hidden = self.model(input_ids, positions, [dummy_cache] * self.model_config.num_layers, metadata)
+        rows = torch.arange(self.max_num_reqs, device=self.device) % num_tokens
+        logits = self.model.compute_logits(hidden[rows])
+        self.sampler(logits, self._dummy_sampling_metadata(self.max_num_reqs))
+        del hidden, logits
+
+    def _dummy_sampling_metadata(self, num_rows: int) -> SamplingMetadata:
+        def full(value: float, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full((num_rows,), value, dtype=dtype, device=self.device)
+
+        return SamplingMetadata(
+            temperature=full(0.7, torch.float32),
+            all_greedy=False,
+            all_random=True,
+            top_k=full(50, torch.int32),
+            top_p=full(0.9, torch.float32),
+            min_p=full(0.05, torch.float32),
+            seeds=full(0, torch.int64),
+            output_positions=full(0, torch.int64),
+        )
+
+    # ---- the seed's step -----------------------------------------------------------------
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> Callable[[], None] | None:
+        """Apply the scheduler's diff to the persistent batch (the seed's phases 1-5)."""
+        batch = self.input_batch
+        # Phase 1: drop finished requests entirely; preempted ones leave the batch but keep
+        # their state (prompt, seed), since they resume with new blocks.
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        for req_id in scheduler_output.preempted_req_ids:
+            batch.remove_request(req_id)
+        # Requests not scheduled this step leave the batch too (their state stays), so the
+        # batch holds exactly the rows of this step's forward.
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
+            batch.remove_request(req_id)
+
+        # Phase 2: new requests.
+        for new_req in scheduler_output.scheduled_new_reqs:
+            params = new_req.sampling_params
+            seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**62))
+            state = CachedRequestState(
+                req_id=new_req.req_id,
+                prompt_token_ids=list(new_req.prompt_token_ids),
+                sampling_params=params,
+                seed=seed,
+                block_ids=tuple(list(ids) for ids in new_req.block_ids),
+                num_computed_tokens=new_req.num_computed_tokens,
+            )
+            self.requests[new_req.req_id] = state
+            batch.add_request(state)
+
+        # Phases 4-5: running and resumed requests (phase 3, swaps, comes with reordering).
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                token_ids = cached.resumed_token_ids[i]
+                assert token_ids is not None and new_block_ids is not None
+                state.output_token_ids = list(token_ids[len(state.prompt_token_ids) :])
+                state.block_ids = tuple(list(ids) for ids in new_block_ids)
+            elif new_block_ids is not None:
+                for group, ids in zip(state.block_ids, new_block_ids, strict=True):
+                    group.extend(ids)
+            row = batch.get_req_index(req_id)
+            if row is None:
+                batch.add_request(state)
+                continue
+            batch.num_computed_tokens[row] = state.num_computed_tokens
+            if new_block_ids is not None:
+                batch.block_table.append_row(new_block_ids[0], row)
+
+        batch.condense()
+        # Phase 6 (spec decode) has no callback to return until speculative decoding lands.
+        return None
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> PreparedInputs:
+        """Input ids, positions and attention metadata for this step, vectorized in NumPy."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        num_scheduled = np.fromiter(
+            (scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64, count=num_reqs
+        )
+        total = int(num_scheduled.sum())
+        cu_num_tokens = np.cumsum(num_scheduled)
+        req_indices = np.repeat(self._arange[:num_reqs], num_scheduled)
+        offsets = self._arange[:total] - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        num_computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
+        positions = num_computed[req_indices] + offsets
+
+        self.positions.np[:total] = positions
+        self.input_ids.np[:total] = batch.token_ids_cpu[req_indices, positions]
+        block_ids = batch.block_table.block_table_np[req_indices, positions // self.block_size]
+        self.slot_mapping.np[:total] = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+
+        seq_lens = num_computed + num_scheduled
+        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
+        num_sampled = len(sample_rows)
+        self.logits_indices.np[:num_sampled] = cu_num_tokens[sample_rows] - 1
+
+        attn_metadata = self._build_attention_metadata(num_reqs, total, num_scheduled, cu_num_tokens, seq_lens)
+        return PreparedInputs(
+            input_ids=self.input_ids.copy_to_gpu(total),
+            positions=self.positions.copy_to_gpu(total),
+            attn_metadata=attn_metadata,
+            num_scheduled_tokens=total,
+            logits_indices=self.logits_indices.copy_to_gpu(num_sampled),
+            sample_rows=sample_rows,
+        )
+
+    def _build_attention_metadata(
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        num_scheduled: np.ndarray,
+        cu_num_tokens: np.ndarray,
+        seq_lens: np.ndarray,
+    ) -> AttentionMetadata:
+        """Block table, slot mapping, query start offsets and sequence lengths (one KV group)."""
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
+        self.seq_lens.np[:num_reqs] = seq_lens
+        return AttentionMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size,
+            query_start_loc=self.query_start_loc.copy_to_gpu(num_reqs + 1),
+            seq_lens=self.seq_lens.copy_to_gpu(num_reqs),
+            block_table=self.input_batch.block_table.commit(num_reqs),
+            slot_mapping=self.slot_mapping.copy_to_gpu(num_tokens),
+            query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
+            seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
+        )
+
+    def _determine_batch_execution_and_padding(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[bool, CUDAGraphMode, int]:
+        """(use micro-batches, graph mode, padded token count). Eager and unpadded for now."""
+        return False, CUDAGraphMode.NONE, scheduler_output.total_num_scheduled_tokens
+
+    def _model_forward(self, inputs: PreparedInputs) -> torch.Tensor:
+        assert self.model is not None
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+
+    def _sample(self, hidden_states: torch.Tensor, inputs: PreparedInputs) -> SamplerOutput | None:
+        """Logits only at the positions that sample; partial prefill chunks sample nothing."""
+        if len(inputs.sample_rows) == 0:
+            return None
+        assert self.model is not None
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        sample_rows = inputs.sample_rows
+        all_rows_in_order = len(sample_rows) == self.input_batch.num_reqs
+        rows_device = None
+        if not all_rows_in_order:
+            self.sample_rows.np[: len(sample_rows)] = sample_rows
+            rows_device = self.sample_rows.copy_to_gpu(len(sample_rows))
+        metadata = self.input_batch.sampling_metadata(sample_rows, rows_device)
+        return self.sampler(logits, metadata)
+
+    def _bookkeeping_sync(self, inputs: PreparedInputs, sampler_output: SamplerOutput | None) -> ModelRunnerOutput:
+        """Bring sampled ids to the host, record them in the batch, and build the output."""
+        batch = self.input_batch
+        req_ids = list(batch.req_ids)
+        sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
+        if sampler_output is not None:
+            sampled = sampler_output.sampled_token_ids.cpu().numpy()
+            batch.append_sampled_tokens(inputs.sample_rows, sampled)
+            for row, token_id in zip(inputs.sample_rows.tolist(), sampled.tolist(), strict=True):
+                sampled_token_ids[row] = [token_id]
+                self.requests[req_ids[row]].output_token_ids.append(token_id)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: row for row, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled_token_ids,
+        )
+
+    @torch.inference_mode()
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, intermediate_tensors: object | None = None
+    ) -> ModelRunnerOutput:
+        if self.kv_connector.can_skip_forward(scheduler_output):
+            return self.kv_connector.no_forward(scheduler_output)
+        post_model_execute_cb = self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.empty()
+        inputs = self._prepare_inputs(scheduler_output)
+        self.kv_connector.pre_forward(scheduler_output)
+        _, cudagraph_mode, _ = self._determine_batch_execution_and_padding(scheduler_output)
+        assert cudagraph_mode == CUDAGraphMode.NONE
+        hidden_states = self._model_forward(inputs)
+        self.kv_connector.post_forward(scheduler_output, hidden_states)
+        sampler_output = self._sample(hidden_states, inputs)
+        output = self._bookkeeping_sync(inputs, sampler_output)
+        if post_model_execute_cb is not None:
+            post_model_execute_cb()
+        return output

@@ -1,0 +1,237 @@
+"""The persistent input batch: per-request state as per-row NumPy arrays with device mirrors.
+
+Rows live across steps; each step applies only the scheduler's diff. Every row move goes
+through `_move_row` / `swap_states`, so the token history, lengths, sampling settings and
+block table of a request always travel together. `check_consistency` compares every row
+with its `CachedRequestState` (used by the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagoda.sample.metadata import SamplingMetadata
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler.output import BlockIds
+from pagoda.worker.block_table import BlockTable
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's own record of a request: its token history and blocks."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    block_ids: BlockIds
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_blocks_per_req: int,
+        device: torch.device,
+        pin_memory: bool,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.device = device
+        self._req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_index: dict[str, int] = {}
+
+        def pinned(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin_memory)
+
+        self.token_ids_cpu = pinned(torch.int32, max_num_reqs, max_model_len).numpy()
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+
+        # Sampling settings: pinned host tensors (NumPy views) and device mirrors, refreshed
+        # only when the batch composition changes.
+        self._temperature_cpu = pinned(torch.float32, max_num_reqs)
+        self._top_k_cpu = pinned(torch.int32, max_num_reqs)
+        self._top_p_cpu = pinned(torch.float32, max_num_reqs)
+        self._min_p_cpu = pinned(torch.float32, max_num_reqs)
+        self._seeds_cpu = pinned(torch.int64, max_num_reqs)
+        self._sampling_host = (
+            self._temperature_cpu,
+            self._top_k_cpu,
+            self._top_p_cpu,
+            self._min_p_cpu,
+            self._seeds_cpu,
+        )
+        self._sampling_device = tuple(torch.zeros_like(t, device=device) for t in self._sampling_host)
+        self.temperature, self.top_k, self.top_p, self.min_p, self.seeds = (t.numpy() for t in self._sampling_host)
+        self._output_positions_cpu = pinned(torch.int64, max_num_reqs)
+        self._output_positions = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self._sampling_dirty = True
+
+        self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, device, pin_memory)
+        self._row_arrays = (
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.seeds,
+        )
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    @property
+    def req_ids(self) -> list[str]:
+        """Request ids of rows [0, num_reqs); valid after `condense()`."""
+        return self._req_ids[: self.num_reqs]  # type: ignore[return-value]
+
+    def get_req_index(self, req_id: str) -> int | None:
+        return self.req_id_to_index.get(req_id)
+
+    def add_request(self, state: CachedRequestState) -> int:
+        """Put a request in the first free row (a hole left by a removal, or the end)."""
+        if state.req_id in self.req_id_to_index:
+            raise ValueError(f"request {state.req_id!r} is already in the batch")
+        row = self._req_ids.index(None) if None in self._req_ids else -1
+        if row < 0:
+            raise RuntimeError(f"input batch is full ({self.max_num_reqs} rows)")
+        self._req_ids[row] = state.req_id
+        self.req_id_to_index[state.req_id] = row
+
+        num_prompt = len(state.prompt_token_ids)
+        num_tokens = state.num_tokens
+        self.token_ids_cpu[row, :num_prompt] = state.prompt_token_ids
+        self.token_ids_cpu[row, num_prompt:num_tokens] = state.output_token_ids
+        self.num_tokens[row] = num_tokens
+        self.num_prompt_tokens[row] = num_prompt
+        self.num_computed_tokens[row] = state.num_computed_tokens
+
+        params = state.sampling_params
+        self.temperature[row] = 0.0 if params.greedy else params.temperature
+        self.top_k[row] = params.top_k if params.top_k > 0 else 0
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.seeds[row] = state.seed
+        self._sampling_dirty = True
+
+        self.block_table.add_row(state.block_ids[0], row)
+        return row
+
+    def remove_request(self, req_id: str) -> int | None:
+        """Free the request's row, leaving a hole that `condense()` fills."""
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return None
+        self._req_ids[row] = None
+        self.block_table.clear_row(row)
+        self._sampling_dirty = True
+        return row
+
+    def swap_states(self, a: int, b: int) -> None:
+        id_a, id_b = self._req_ids[a], self._req_ids[b]
+        self._req_ids[a], self._req_ids[b] = id_b, id_a
+        if id_a is not None:
+            self.req_id_to_index[id_a] = b
+        if id_b is not None:
+            self.req_id_to_index[id_b] = a
+        for array in self._row_arrays:
+            array[[a, b]] = array[[b, a]]
+        self.token_ids_cpu[[a, b]] = self.token_ids_cpu[[b, a]]
+        self.block_table.swap_row(a, b)
+        self._sampling_dirty = True
+
+    def _move_row(self, src: int, dst: int) -> None:
+        req_id = self._req_ids[src]
+        assert req_id is not None and self._req_ids[dst] is None
+        self._req_ids[dst], self._req_ids[src] = req_id, None
+        self.req_id_to_index[req_id] = dst
+        for array in self._row_arrays:
+            array[dst] = array[src]
+        num_tokens = self.num_tokens[src]
+        self.token_ids_cpu[dst, :num_tokens] = self.token_ids_cpu[src, :num_tokens]
+        self.block_table.move_row(src, dst)
+        self._sampling_dirty = True
+
+    def condense(self) -> None:
+        """Move rows from the end into holes so that rows [0, num_reqs) are all occupied."""
+        num_reqs = self.num_reqs
+        last = max((row for row in range(len(self._req_ids)) if self._req_ids[row] is not None), default=-1)
+        for hole in range(num_reqs):
+            if self._req_ids[hole] is not None:
+                continue
+            while self._req_ids[last] is None:
+                last -= 1
+            self._move_row(last, hole)
+            last -= 1
+
+    def append_sampled_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Record one sampled token for each of `rows` (vectorized, no loop over rows)."""
+        self.token_ids_cpu[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    def sampling_metadata(self, sample_rows: np.ndarray, sample_rows_device: torch.Tensor | None) -> SamplingMetadata:
+        """Sampling settings of the rows that sample this step.
+
+        `sample_rows_device` is None when every row in [0, len(sample_rows)) samples in
+        order, the common decode case: then the device mirrors are sliced, not gathered.
+        """
+        num_reqs = self.num_reqs
+        if self._sampling_dirty:
+            for host, device in zip(self._sampling_host, self._sampling_device, strict=True):
+                device[:num_reqs].copy_(host[:num_reqs], non_blocking=True)
+            self._sampling_dirty = False
+        num_sampled = len(sample_rows)
+        positions = self._output_positions_cpu.numpy()
+        positions[:num_sampled] = self.num_tokens[sample_rows] - self.num_prompt_tokens[sample_rows]
+        self._output_positions[:num_sampled].copy_(self._output_positions_cpu[:num_sampled], non_blocking=True)
+
+        def rows_of(device_array: torch.Tensor) -> torch.Tensor:
+            if sample_rows_device is None:
+                return device_array[:num_sampled]
+            return device_array[sample_rows_device]
+
+        temperature, top_k, top_p, min_p, seeds = (rows_of(t) for t in self._sampling_device)
+        host_temperature = self.temperature[sample_rows]
+        greedy = host_temperature < 1e-5
+        return SamplingMetadata(
+            temperature=temperature,
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            top_k=top_k if bool((self.top_k[sample_rows] > 0).any()) else None,
+            top_p=top_p if bool((self.top_p[sample_rows] < 1.0).any()) else None,
+            min_p=min_p if bool((self.min_p[sample_rows] > 0.0).any()) else None,
+            seeds=seeds,
+            output_positions=self._output_positions[:num_sampled],
+        )
+
+    def check_consistency(self, requests: dict[str, CachedRequestState]) -> None:
+        """Raise AssertionError unless every row matches its request (a test aid)."""
+        assert len(self.req_id_to_index) == len([r for r in self._req_ids if r is not None])
+        for req_id, row in self.req_id_to_index.items():
+            state = requests[req_id]
+            assert self._req_ids[row] == req_id
+            tokens = state.prompt_token_ids + state.output_token_ids
+            assert self.num_tokens[row] == len(tokens), (req_id, self.num_tokens[row], len(tokens))
+            assert self.token_ids_cpu[row, : len(tokens)].tolist() == tokens, req_id
+            assert self.num_prompt_tokens[row] == len(state.prompt_token_ids)
+            assert self.num_computed_tokens[row] == state.num_computed_tokens
+            assert self.block_table.row(row) == state.block_ids[0], req_id
+            params = state.sampling_params
+            assert self.temperature[row] == np.float32(0.0 if params.greedy else params.temperature)
+            assert self.top_p[row] == np.float32(params.top_p)
+            assert self.seeds[row] == state.seed

@@ -1,0 +1,106 @@
+"""`Worker`: one per device rank; owns the device, the model runner and the memory budget.
+
+The seed's chapter 4. Every rank runs every forward (tensor-parallel ranks must all join the
+collectives); only the driver rank returns a `ModelRunnerOutput`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.distributed.parallel_state import init_parallel_state
+from pagoda.outputs import ModelRunnerOutput
+from pagoda.scheduler.output import SchedulerOutput
+from pagoda.worker.gpu_model_runner import GPUModelRunner
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str | None,
+        is_driver_worker: bool = False,
+        return_hidden_states: bool = False,
+    ) -> None:
+        self.config = config
+        self.parallel_config = config.parallel_config
+        self.scheduler_config = config.scheduler_config
+        self.device_config = config.device_config
+        self.cache_config = config.cache_config
+        self.local_rank = local_rank
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
+        # Pipeline stages that are not last hand hidden states on instead of sampling.
+        self.return_hidden_states = return_hidden_states
+        self.model_runner: GPUModelRunner | None = None
+        self.device: torch.device | None = None
+
+    def init_device(self) -> None:
+        if self.device_config.is_cuda:
+            # Must be set before the first CUDA allocation to take effect.
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+            self.device = torch.device(f"cuda:{self.local_rank}")
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        init_parallel_state(tp_rank=self.rank, tp_size=self.parallel_config.tensor_parallel_size)
+        torch.manual_seed(self.config.model_config.seed)
+        self.model_runner = GPUModelRunner(self.config, self.device)
+
+    def load_model(self) -> None:
+        assert self.model_runner is not None
+        self.model_runner.load_model()
+
+    def determine_available_memory(self) -> int:
+        """Bytes the KV cache may take on this device.
+
+        CUDA: total x gpu_memory_utilization minus the peak of a profile run (which already
+        includes the weights) and the memory held outside torch's allocator. CPU: the
+        configured `cpu_kv_cache_gib`.
+        """
+        assert self.model_runner is not None
+        if not self.device_config.is_cuda:
+            return int(self.cache_config.cpu_kv_cache_gib * GiB)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.model_runner.profile_run()
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        peak = torch.cuda.max_memory_allocated()
+        non_torch = (total - free) - torch.cuda.memory_reserved()
+        available = int(total * self.cache_config.gpu_memory_utilization - peak - non_torch)
+        logger.info(
+            "memory: total %.2f GiB, profile peak (weights + activations) %.2f GiB, non-torch %.2f GiB, KV cache %.2f GiB",
+            total / GiB,
+            peak / GiB,
+            non_torch / GiB,
+            available / GiB,
+        )
+        torch.cuda.empty_cache()
+        return available
+
+    def get_kv_cache_block_bytes(self) -> int:
+        assert self.model_runner is not None
+        return self.model_runner.get_kv_cache_block_bytes()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        assert self.model_runner is not None
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, intermediate_tensors: object | None = None
+    ) -> ModelRunnerOutput | None:
+        assert self.model_runner is not None
+        output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
+        return output if self.is_driver_worker else None
