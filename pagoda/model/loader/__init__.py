@@ -1,0 +1,21 @@
+"""Model loading: resolve where the model comes from, read its config and tokenizer, build it.
+
+Sources: Hugging Face directories (config.json + safetensors), GGUF files (llama.cpp, weights
+dequantized), and dummy models (a published shape or an HF directory, random weights).
+"""
+
+from pagoda.model.loader.hf_config import load_hf_config
+from pagoda.model.loader.model_loader import get_model
+from pagoda.model.loader.source import DEFAULT_MODEL_NAME, LOAD_FORMATS, default_model_path, resolve_model
+from pagoda.model.loader.tokenizer import get_eos_token_ids, load_tokenizer
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "LOAD_FORMATS",
+    "default_model_path",
+    "get_eos_token_ids",
+    "get_model",
+    "load_hf_config",
+    "load_tokenizer",
+    "resolve_model",
+]

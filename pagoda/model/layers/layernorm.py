@@ -1,0 +1,40 @@
+"""RMSNorm with an optional fused residual add, numerically as Hugging Face computes it.
+
+The residual add happens in the model dtype (as HF's decoder layers do it), the normalization
+in float32, and the result is cast back before the weight multiplies it.
+"""
+
+from __future__ import annotations
+
+from typing import overload
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalize `x`, or with `residual` given, normalize `x + residual` and also return that sum
+        (the next residual)."""
+        if residual is None:
+            return self._normalize(x)
+        x = x + residual
+        return self._normalize(x), x
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)

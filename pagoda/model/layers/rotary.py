@@ -1,0 +1,86 @@
+"""Rotary position embedding (neox style: the head's two halves rotate as pairs, as HF's
+`rotate_half` does), with cos/sin precomputed for every position and gathered by position id.
+
+One `RotaryEmbedding` serves all layers: the model gathers cos/sin once per forward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+def rope_settings(config: Any) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling parameters with a "rope_type" key) from an HF config.
+
+    transformers 5 keeps both in `rope_parameters`; older versions in `rope_theta` and
+    `rope_scaling` (whose type key may be "type").
+    """
+    parameters = getattr(config, "rope_parameters", None)
+    if parameters:
+        theta = parameters["rope_theta"]
+        scaling = dict(parameters)
+    else:
+        theta = getattr(config, "rope_theta", 10000.0)
+        scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    return float(theta), scaling
+
+
+def _inverse_frequencies(head_size: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+    rope_type = scaling["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    raise ValueError(f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths are divided by `factor`, short
+    ones kept, and the band between interpolated smoothly."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_size: int, max_position: int, theta: float, scaling: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_size = head_size
+        inv_freq = _inverse_frequencies(head_size, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, 1, head_size / 2] in float32."""
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int) -> torch.Tensor:
+    """Rotate x [T, heads * head_size] by the (cos, sin) of its tokens' positions.
+
+    Computed in x's dtype with cos/sin cast to it, as HF does, so bf16 results match HF's.
+    """
+    num_tokens = x.shape[0]
+    x = x.view(num_tokens, -1, head_size)
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.view(num_tokens, -1)

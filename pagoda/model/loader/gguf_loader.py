@@ -1,0 +1,145 @@
+"""GGUF (llama.cpp) files: the HF config built from the metadata, and the tensors dequantized
+with the `gguf` package and renamed to HF names.
+
+The only module that imports `gguf`; it is imported only when a GGUF model is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from pagoda.config import ConfigError
+from pagoda.model.registry import ARCHITECTURE_OF_MODEL_TYPE
+
+# GGUF `general.architecture` -> HF model_type. llama.cpp also files Mistral under "llama".
+_MODEL_TYPE_OF_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# llama.cpp stores Llama-family Q/K rows permuted for its interleaved RoPE; HF's are not.
+_ARCHS_WITH_PERMUTED_QK = ("llama",)
+
+_TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# GGUF metadata key (after "<arch>.") -> HF config field
+_CONFIG_KEYS = {
+    "block_count": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+_TOKEN_ID_KEYS = {"bos_token_id": "tokenizer.ggml.bos_token_id", "pad_token_id": "tokenizer.ggml.padding_token_id"}
+# Every id that ends a turn: llama.cpp keeps end-of-turn/message apart from end-of-sequence.
+_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def _field_value(reader: gguf.GGUFReader, key: str) -> Any:
+    """A scalar or string metadata value, None if absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.parts[field.data[0]]
+    if field.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(value).decode("utf-8")
+    return value.item()
+
+
+def _architecture(reader: gguf.GGUFReader, path: str) -> str:
+    arch = _field_value(reader, "general.architecture")
+    if arch not in _MODEL_TYPE_OF_GGUF_ARCH:
+        raise ConfigError(
+            f"model: GGUF architecture {arch!r} of {path} is not supported; "
+            f"supported GGUF architectures: {sorted(_MODEL_TYPE_OF_GGUF_ARCH)}"
+        )
+    return arch
+
+
+def read_gguf_config(path: str) -> PretrainedConfig:
+    """The HF config of a GGUF file, from its metadata and tensor list."""
+    reader = gguf.GGUFReader(path)
+    arch = _architecture(reader, path)
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    rope_scaling = _field_value(reader, f"{arch}.rope.scaling.type")
+    if rope_scaling not in (None, "none") or "rope_freqs.weight" in tensor_names:
+        raise ConfigError(f"model: {path} uses RoPE scaling ({rope_scaling or 'rope_freqs'}), not supported in GGUF")
+    fields: dict[str, Any] = {}
+    for key, hf_key in _CONFIG_KEYS.items():
+        value = _field_value(reader, f"{arch}.{key}")
+        if value is not None:
+            fields[hf_key] = value
+    if "vocab_size" not in fields:
+        fields["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    for hf_key, key in _TOKEN_ID_KEYS.items():
+        fields[hf_key] = _field_value(reader, key)
+    eos_ids = sorted({v for key in _EOS_KEYS if (v := _field_value(reader, key)) is not None})
+    fields["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)
+    fields["tie_word_embeddings"] = "output.weight" not in tensor_names
+    if arch == "llama":
+        fields["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    model_type = _MODEL_TYPE_OF_GGUF_ARCH[arch]
+    fields["architectures"] = [ARCHITECTURE_OF_MODEL_TYPE[model_type]]
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def _block_part(gguf_name: str) -> tuple[str, str] | None:
+    """blk.3.attn_q.weight -> ("3", "attn_q"); None for names outside the blocks."""
+    parts = gguf_name.split(".")
+    return (parts[1], parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
+
+
+def hf_weight_name(gguf_name: str) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names unchanged."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _TOP_LEVEL_NAMES:
+        return f"{_TOP_LEVEL_NAMES[base]}.{suffix}"
+    block_part = _block_part(gguf_name)
+    if block_part is not None and block_part[1] in _BLOCK_NAMES:
+        return f"model.layers.{block_part[0]}.{_BLOCK_NAMES[block_part[1]]}.{suffix}"
+    return gguf_name
+
+
+def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row interleave of Q/K (its converter's `permute`)."""
+    shape = weight.shape
+    return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time."""
+    reader = gguf.GGUFReader(path)
+    heads_of_permuted: dict[str, int] = {}
+    if _architecture(reader, path) in _ARCHS_WITH_PERMUTED_QK:
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        heads_of_permuted = {"attn_q": hf_config.num_attention_heads, "attn_k": num_kv_heads}
+    for tensor in reader.tensors:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if not array.flags.writeable:
+            array = np.array(array)
+        weight = torch.from_numpy(array).reshape([int(n) for n in reversed(tensor.shape)])
+        block_part = _block_part(tensor.name)
+        if block_part is not None and block_part[1] in heads_of_permuted:
+            weight = _unpermute_rows(weight, heads_of_permuted[block_part[1]])
+        yield hf_weight_name(tensor.name), weight

@@ -1,0 +1,61 @@
+"""Tokenizer and end-of-sequence ids of a resolved model."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from pagoda.config import ConfigError
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _has_tokenizer_files(model_dir: str) -> bool:
+    return any(os.path.isfile(os.path.join(model_dir, name)) for name in _TOKENIZER_FILES)
+
+
+def _tokenizer_from(path: str) -> PreTrainedTokenizerBase:
+    if path.endswith(".gguf"):
+        model_dir, file_name = os.path.split(path)
+        return AutoTokenizer.from_pretrained(model_dir, gguf_file=file_name)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_tokenizer(model: str, load_format: str, tokenizer: str | None = None) -> PreTrainedTokenizerBase | None:
+    """`tokenizer` (a directory or .gguf file) if given, else the model's own; GGUF tokenizers and
+    chat templates come from the file's metadata. None for a dummy model without tokenizer files
+    (prompts must then be token ids)."""
+    if tokenizer is not None:
+        path = os.path.abspath(os.path.expanduser(tokenizer))
+        if not os.path.exists(path):
+            raise ConfigError(f"tokenizer must be a directory or a .gguf file, got {tokenizer!r} (no such path)")
+        return _tokenizer_from(path)
+    if load_format == "dummy" and not (os.path.isdir(model) and _has_tokenizer_files(model)):
+        return None
+    return _tokenizer_from(model)
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def get_eos_token_ids(
+    model: str, load_format: str, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | None
+) -> set[int]:
+    """Every id that ends a generation: generation_config.json's, the config's (for GGUF, built from
+    its metadata's end-of-sequence/turn ids) and the tokenizer's."""
+    eos_ids = _as_id_set(getattr(hf_config, "eos_token_id", None))
+    generation_config = os.path.join(model, "generation_config.json")
+    if os.path.isfile(generation_config):
+        with open(generation_config) as f:
+            eos_ids |= _as_id_set(json.load(f).get("eos_token_id"))
+    if tokenizer is not None:
+        eos_ids |= _as_id_set(tokenizer.eos_token_id)
+    return eos_ids

@@ -1,0 +1,225 @@
+"""The Llama-style decoder that Llama, Mistral, Qwen2 and Qwen3 share.
+
+pre-norm blocks of (attention with RoPE and GQA, SwiGLU MLP), tokens flat: T tokens of many
+requests concatenated, with `AttentionMetadata` telling attention which are whose. The models
+differ only in `DecoderOptions` (biases, per-head q/k norm), chosen from the HF config by each
+subclass's `decoder_options`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagoda.attention.backends import AttentionBackend
+from pagoda.attention.layer import Attention
+from pagoda.attention.metadata import AttentionMetadata
+from pagoda.model.layers.activation import SiluAndMul
+from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagoda.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
+from pagoda.model.layers.weight_utils import default_weight_loader
+
+# (our merged parameter, the HF checkpoint name merged into it, its shard id)
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def head_size_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.head_size = head_size_of(config)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_size, config.num_attention_heads, num_kv_heads, bias=options.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_size, config.hidden_size, bias=options.o_proj_bias
+        )
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+        self.qk_norm = options.qk_norm
+        self.split_sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            self.head_size,
+            self.qkv_proj.num_kv_heads,
+            self.head_size**-0.5,
+            attn_backend,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).split(self.split_sizes, dim=-1)
+        if self.qk_norm:
+            num_tokens = q.shape[0]
+            q = self.q_norm(q.reshape(num_tokens, -1, self.head_size)).view(num_tokens, -1)
+            k = self.k_norm(k.reshape(num_tokens, -1, self.head_size)).view(num_tokens, -1)
+        q = apply_rotary(q, *cos_sin, self.head_size)
+        k = apply_rotary(k, *cos_sin, self.head_size)
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=options.mlp_bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=options.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, options, attn_backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config, options)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream before it); their sum is the stream after."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos_sin, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        theta, scaling = rope_settings(config)
+        self.rotary_emb = RotaryEmbedding(head_size_of(config), config.max_position_embeddings, theta, scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, options, attn_backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb(positions)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(hidden_states, residual, cos_sin, kv_cache, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of the causal-LM classes; subclasses pick their `DecoderOptions`."""
+
+    def __init__(self, config: PretrainedConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.decoder_options(config), attn_backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def decoder_options(cls, config: PretrainedConfig) -> DecoderOptions:
+        """Llama's: `attention_bias` on q/k/v/o, `mlp_bias` on the MLP (both absent in Mistral)."""
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return DecoderOptions(
+            qkv_bias=attention_bias, o_proj_bias=attention_bias, mlp_bias=bool(getattr(config, "mlp_bias", False))
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden states [N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load (HF name, full tensor) pairs, each rank keeping its slice; returns the HF names loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and hf_name == "lm_head.weight"):
+                continue
+            name, shard_id = _param_name_and_shard(hf_name)
+            if name not in params:
+                raise ValueError(f"checkpoint weight {hf_name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                weight_loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"checkpoint weight {hf_name!r}: {e}") from e
+            loaded.add(hf_name)
+        return loaded
+
+    def expected_weight_names(self) -> set[str]:
+        """The HF names `load_weights` must see for every parameter to be filled."""
+        names = set()
+        for name, _ in self.named_parameters():
+            merged = [name.replace(f".{ours}.", f".{hf}.") for ours, hf, _ in STACKED_PARAMS if f".{ours}." in name]
+            names.update(merged or [name])
+        return names
+
+
+def _param_name_and_shard(hf_name: str) -> tuple[str, int | str | None]:
+    for ours, hf, shard_id in STACKED_PARAMS:
+        if f".{hf}." in hf_name:
+            return hf_name.replace(f".{hf}.", f".{ours}."), shard_id
+    return hf_name, None

@@ -1,0 +1,194 @@
+"""Our models against Hugging Face transformers on the same tiny random weights.
+
+Each architecture is saved with `save_pretrained` (one of them sharded), loaded through
+`get_model` and run through the paged KV path: a full prefill, then a mixed batch of a
+chunked prefill, a second prefill and a decode. Logits must match HF's within 1e-4.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from model_utils import allocate_kv_caches, build_attn_metadata
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+
+from pagoda.attention.backends import get_attention_backend
+from pagoda.config import ModelConfig
+from pagoda.distributed import parallel_state
+from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagoda.model.loader import get_model, load_hf_config, resolve_model
+
+ATOL = RTOL = 1e-4
+BLOCK_SIZE = 4
+VOCAB = 256
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+
+
+def _configs() -> dict[str, PretrainedConfig]:
+    return {
+        "llama3": LlamaConfig(
+            **_COMMON,
+            rope_theta=10000.0,
+            # low/high frequency wavelength bounds 32 and 8: with head_dim 16 all three bands occur
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        "llama-biased-tied": LlamaConfig(**_COMMON, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+        "mistral": MistralConfig(**_COMMON, sliding_window=None, rope_theta=1000.0),
+        "qwen2": Qwen2Config(**_COMMON, tie_word_embeddings=False),
+        "qwen3": Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True),
+    }
+
+
+# qwen2 is saved in small shards, to read through model.safetensors.index.json
+_SHARDED = {"qwen2"}
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module) -> None:
+    """Weights large enough that logits are far from flat; norms and biases away from 1 and 0, so
+    that loading them wrong shows."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.uniform_(0.5, 1.5)
+        elif param.ndim == 1:
+            param.normal_(0.0, 0.2)
+        else:
+            param.normal_(0.0, 0.3)
+
+
+@pytest.fixture(scope="module", params=sorted(_configs()))
+def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module]:
+    """(saved model directory, the HF model it holds)."""
+    name = request.param
+    torch.manual_seed(1234)
+    hf_model = AutoModelForCausalLM.from_config(_configs()[name], dtype=torch.float32)
+    _randomize(hf_model)
+    hf_model.eval()
+    path = str(tmp_path_factory.mktemp(name))
+    hf_model.save_pretrained(path, max_shard_size="100KB" if name in _SHARDED else "1GB")
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json")) == (name in _SHARDED)
+    return path, hf_model
+
+
+@pytest.fixture(scope="module")
+def our_model(checkpoint) -> torch.nn.Module:
+    model, load_format = resolve_model(checkpoint[0], "auto")
+    model_config = ModelConfig(
+        model=model, load_format=load_format, dtype=torch.float32, hf_config=load_hf_config(model, load_format)
+    )
+    return get_model(model_config, get_attention_backend("torch"), torch.device("cpu"))
+
+
+def _hf_logits(hf_model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(token_ids[None]).logits[0].float()
+
+
+def _run_step(model, kv_caches, token_ids, query_lens, seq_lens, block_tables) -> torch.Tensor:
+    metadata, positions = build_attn_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE)
+    with torch.no_grad():
+        return model.compute_logits(model(token_ids, positions, kv_caches, metadata))
+
+
+def test_full_prefill_matches_hf(checkpoint, our_model):
+    _, hf_model = checkpoint
+    tokens = torch.randint(0, VOCAB, (21,))
+    kv_caches = allocate_kv_caches(hf_model.config, num_blocks=10, block_size=BLOCK_SIZE)
+    ours = _run_step(our_model, kv_caches, tokens, [21], [21], [[3, 1, 8, 2, 6, 9]])
+    ref = _hf_logits(hf_model, tokens)
+    assert ours.dtype == torch.float32 and ours.shape == (21, VOCAB)
+    top2 = ref.topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).median() > 1e-2, "reference logits too flat for a meaningful check"
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=RTOL)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_chunked_prefill_and_decode_in_mixed_batches_match_hf(checkpoint, our_model):
+    """Step 1: request A's whole prompt (9) + request B's first chunk (6 of 14).
+    Step 2: A decodes one token + B's second chunk (8), attending to its cached first chunk."""
+    _, hf_model = checkpoint
+    tokens_a, tokens_b = torch.randint(0, VOCAB, (10,)), torch.randint(0, VOCAB, (14,))
+    blocks_a, blocks_b = [7, 2, 5], [1, 9, 4, 6]
+    kv_caches = allocate_kv_caches(hf_model.config, num_blocks=10, block_size=BLOCK_SIZE)
+
+    step1 = _run_step(
+        our_model, kv_caches, torch.cat([tokens_a[:9], tokens_b[:6]]), [9, 6], [9, 6], [blocks_a, blocks_b]
+    )
+    step2 = _run_step(
+        our_model, kv_caches, torch.cat([tokens_a[9:], tokens_b[6:]]), [1, 8], [10, 14], [blocks_a, blocks_b]
+    )
+
+    ref_a, ref_b = _hf_logits(hf_model, tokens_a), _hf_logits(hf_model, tokens_b)
+    torch.testing.assert_close(torch.cat([step1[:9], step2[:1]]), ref_a, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(torch.cat([step1[9:], step2[1:]]), ref_b, atol=ATOL, rtol=RTOL)
+
+
+@pytest.fixture
+def tensor_parallel_ranks():
+    """Set the parallel state to each of 2 ranks in turn (weights only: no collective runs)."""
+
+    def as_rank(rank: int) -> None:
+        parallel_state.init_parallel_state(tp_rank=rank, tp_size=2)
+
+    yield as_rank
+    parallel_state.init_parallel_state()
+
+
+def test_tensor_parallel_weight_loaders_split_checkpoint_tensors(tensor_parallel_ranks):
+    hidden, head_size, num_heads, num_kv_heads, intermediate, vocab = 8, 2, 4, 1, 6, 11
+    q = torch.randn(num_heads * head_size, hidden)
+    k, v = torch.randn(num_kv_heads * head_size, hidden), torch.randn(num_kv_heads * head_size, hidden)
+    qkv_bias = {name: torch.randn(t.shape[0]) for name, t in (("q", q), ("k", k), ("v", v))}
+    gate, up = torch.randn(intermediate, hidden), torch.randn(intermediate, hidden)
+    down, down_bias = torch.randn(hidden, intermediate), torch.randn(hidden)
+    embedding = torch.randn(vocab, hidden)
+
+    for rank in range(2):
+        tensor_parallel_ranks(rank)
+        qkv = QKVParallelLinear(hidden, head_size, num_heads, num_kv_heads, bias=True)
+        for shard_id, tensor in (("q", q), ("k", k), ("v", v)):
+            qkv.weight.weight_loader(qkv.weight, tensor, shard_id)
+            qkv.bias.weight_loader(qkv.bias, qkv_bias[shard_id], shard_id)
+        q_rows = slice(rank * 4, rank * 4 + 4)  # two of the four query heads
+        # the single KV head is replicated on both ranks
+        assert torch.equal(qkv.weight, torch.cat([q[q_rows], k, v]))
+        assert torch.equal(qkv.bias, torch.cat([qkv_bias["q"][q_rows], qkv_bias["k"], qkv_bias["v"]]))
+
+        gate_up = MergedColumnParallelLinear(hidden, [intermediate, intermediate])
+        gate_up.weight.weight_loader(gate_up.weight, gate, 0)
+        gate_up.weight.weight_loader(gate_up.weight, up, 1)
+        rows = slice(rank * 3, rank * 3 + 3)
+        assert torch.equal(gate_up.weight, torch.cat([gate[rows], up[rows]]))
+
+        down_proj = RowParallelLinear(intermediate, hidden, bias=True)
+        down_proj.weight.weight_loader(down_proj.weight, down)
+        down_proj.bias.weight_loader(down_proj.bias, down_bias)
+        assert torch.equal(down_proj.weight, down[:, rows]) and torch.equal(down_proj.bias, down_bias)
+
+        for layer_class in (VocabParallelEmbedding, ParallelLMHead):
+            layer = layer_class(vocab, hidden)
+            layer.weight.weight_loader(layer.weight, embedding)
+            expected = embedding[:6] if rank == 0 else torch.cat([embedding[6:], torch.zeros(1, hidden)])
+            assert torch.equal(layer.weight, expected)
+
+    with pytest.raises(ValueError, match="rows"):
+        qkv.weight.weight_loader(qkv.weight, torch.randn(3, hidden), "k")
