@@ -1,8 +1,12 @@
-"""Shared test helpers: attention metadata and KV caches built by hand, without the model runner."""
+"""Shared test helpers: tiny random checkpoints, HF references, and attention metadata and KV
+caches built by hand, without the model runner."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from pagoda.attention.metadata import AttentionMetadata
 
@@ -68,3 +72,109 @@ def hf_named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         else:
             weights[name] = param
     return weights
+
+
+VOCAB = 256
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+
+
+def _tiny_configs() -> dict[str, PretrainedConfig]:
+    return {
+        "llama3": LlamaConfig(
+            **_COMMON,
+            rope_theta=10000.0,
+            # low/high frequency wavelength bounds 32 and 8: with head_dim 16 all three bands occur
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        "llama-biased-tied": LlamaConfig(**_COMMON, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+        "mistral": MistralConfig(**_COMMON, sliding_window=None, rope_theta=1000.0),
+        "qwen2": Qwen2Config(**_COMMON, tie_word_embeddings=False),
+        "qwen3": Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True),
+    }
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module) -> None:
+    """Weights large enough that logits are far from flat; norms and biases away from 1 and 0, so
+    that loading them wrong shows."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.uniform_(0.5, 1.5)
+        elif param.ndim == 1:
+            param.normal_(0.0, 0.2)
+        else:
+            param.normal_(0.0, 0.3)
+
+
+TINY_CONFIGS = _tiny_configs()
+
+
+def save_tiny_checkpoint(name: str, path: str, sharded: bool = False) -> torch.nn.Module:
+    """Save a tiny random model of architecture `name` (a key of TINY_CONFIGS) with
+    `save_pretrained`; returns the HF model, in eval mode."""
+    torch.manual_seed(1234)
+    hf_model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name], dtype=torch.float32)
+    randomize_(hf_model)
+    hf_model.eval()
+    hf_model.save_pretrained(path, max_shard_size="100KB" if sharded else "1GB")
+    return hf_model
+
+
+def load_hf_from_gguf(path: str) -> tuple[PretrainedConfig, torch.nn.Module, dict[str, torch.Tensor]]:
+    """transformers' own reading of a GGUF file: (config, float32 model, dequantized tensors).
+
+    Built with `from_config` + `load_gguf_checkpoint` (what `from_pretrained(gguf_file=...)`
+    does, without the `accelerate` dependency it requires)."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model_dir, file_name = os.path.split(path)
+    config = AutoConfig.from_pretrained(model_dir, gguf_file=file_name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return config, model.eval(), tensors
+
+
+@torch.inference_mode()
+def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy continuation by an HF model with its own KV cache, never stopping at eos.
+
+    Returns (tokens, top-2 logit margin at each step): where the margin is tiny, float
+    rounding may legitimately pick the other token."""
+    tokens: list[int] = []
+    margins: list[float] = []
+    past = None
+    input_ids = torch.tensor([prompt_ids])
+    for _ in range(max_new_tokens):
+        out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        top2 = out.logits[0, -1].float().topk(2)
+        margins.append(float(top2.values[0] - top2.values[1]))
+        tokens.append(int(top2.indices[0]))
+        input_ids = top2.indices[:1].view(1, 1)
+    return tokens, margins
+
+
+def assert_greedy_match(ours: list[int], reference: list[int], margins: list[float], min_margin: float) -> int:
+    """Tokens must be identical up to the first step whose reference margin is below
+    `min_margin`; returns how many steps were compared."""
+    compared = next((i for i, m in enumerate(margins) if m < min_margin), len(margins))
+    assert ours[:compared] == reference[:compared], (ours, reference, margins)
+    return compared

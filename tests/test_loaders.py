@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import smollm2_gguf_path
-from model_utils import allocate_kv_caches, build_attn_metadata, hf_named_weights
+from model_utils import allocate_kv_caches, build_attn_metadata, hf_named_weights, load_hf_from_gguf
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen3Config
 
@@ -232,17 +232,9 @@ def smollm2_transformers():
 
     Built with `from_config` + `load_gguf_checkpoint` (what `from_pretrained(gguf_file=...)`
     does, without the `accelerate` dependency it requires)."""
-    from transformers import AutoConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    model_dir, file_name = os.path.split(SMOLLM2_PATH)
-    config = AutoConfig.from_pretrained(model_dir, gguf_file=file_name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(SMOLLM2_PATH, return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    return config, model.eval(), tensors
+    config, model, tensors = load_hf_from_gguf(SMOLLM2_PATH)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied to the embedding
+    return config, model, tensors
 
 
 @needs_smollm2

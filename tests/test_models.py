@@ -11,8 +11,7 @@ import os
 
 import pytest
 import torch
-from model_utils import allocate_kv_caches, build_attn_metadata
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from model_utils import TINY_CONFIGS, VOCAB, allocate_kv_caches, build_attn_metadata, save_tiny_checkpoint
 
 from pagoda.attention.backends import get_attention_backend
 from pagoda.config import ModelConfig
@@ -23,68 +22,18 @@ from pagoda.model.loader import get_model, load_hf_config, resolve_model
 
 ATOL = RTOL = 1e-4
 BLOCK_SIZE = 4
-VOCAB = 256
-
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-)
-
-
-def _configs() -> dict[str, PretrainedConfig]:
-    return {
-        "llama3": LlamaConfig(
-            **_COMMON,
-            rope_theta=10000.0,
-            # low/high frequency wavelength bounds 32 and 8: with head_dim 16 all three bands occur
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
-            },
-        ),
-        "llama-biased-tied": LlamaConfig(**_COMMON, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
-        "mistral": MistralConfig(**_COMMON, sliding_window=None, rope_theta=1000.0),
-        "qwen2": Qwen2Config(**_COMMON, tie_word_embeddings=False),
-        "qwen3": Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True),
-    }
 
 
 # qwen2 is saved in small shards, to read through model.safetensors.index.json
 _SHARDED = {"qwen2"}
 
 
-@torch.no_grad()
-def _randomize(model: torch.nn.Module) -> None:
-    """Weights large enough that logits are far from flat; norms and biases away from 1 and 0, so
-    that loading them wrong shows."""
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            param.uniform_(0.5, 1.5)
-        elif param.ndim == 1:
-            param.normal_(0.0, 0.2)
-        else:
-            param.normal_(0.0, 0.3)
-
-
-@pytest.fixture(scope="module", params=sorted(_configs()))
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
 def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module]:
     """(saved model directory, the HF model it holds)."""
     name = request.param
-    torch.manual_seed(1234)
-    hf_model = AutoModelForCausalLM.from_config(_configs()[name], dtype=torch.float32)
-    _randomize(hf_model)
-    hf_model.eval()
     path = str(tmp_path_factory.mktemp(name))
-    hf_model.save_pretrained(path, max_shard_size="100KB" if name in _SHARDED else "1GB")
+    hf_model = save_tiny_checkpoint(name, path, sharded=name in _SHARDED)
     assert os.path.exists(os.path.join(path, "model.safetensors.index.json")) == (name in _SHARDED)
     return path, hf_model
 

@@ -1,7 +1,10 @@
 """The reference paged-attention backend, in plain PyTorch.
 
-Runs on any device and is the yardstick for every faster backend and kernel. Clarity over
-speed: one SDPA call per request, reading K/V back through the block table.
+Runs on any device and is the yardstick for every faster backend and kernel. It reads K/V
+back through the block table exactly as a kernel would. Decode rows (one query token) are
+computed together in one padded batch; rows with longer queries (prefill chunks) get one
+SDPA call each. GQA never copies K/V: the query heads of a group are folded into the query
+length instead.
 """
 
 from __future__ import annotations
@@ -21,6 +24,16 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     kv_cache[0].view(-1, num_kv_heads, head_size)[idx] = key[valid]
     kv_cache[1].view(-1, num_kv_heads, head_size)[idx] = value[valid]
 
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first `num_tokens` slots of each row: [rows, num_tokens, Hkv, D] each."""
+    num_blocks = -(num_tokens // -kv_cache.shape[2])
+    blocks = block_table[:, :num_blocks]
+    k = kv_cache[0, blocks].flatten(1, 2)[:, :num_tokens]
+    v = kv_cache[1, blocks].flatten(1, 2)[:, :num_tokens]
+    return k, v
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -39,29 +52,58 @@ class TorchAttentionBackend:
         """
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         out = torch.zeros_like(query)
-        num_heads, num_kv_heads = query.shape[1], kv_cache.shape[-2]
-        block_size = metadata.block_size
-        starts = metadata.query_start_loc_cpu.tolist()
-        seq_lens = metadata.seq_lens_cpu.tolist()
-        for i in range(metadata.num_reqs):
-            q_start, q_end, seq_len = starts[i], starts[i + 1], seq_lens[i]
-            query_len = q_end - q_start
-            if query_len == 0:
-                continue
-            blocks = metadata.block_table[i, : (seq_len + block_size - 1) // block_size]
-            k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-            v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-            if num_kv_heads != num_heads:
-                k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
-                v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-            q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(
-                query[q_start:q_end].transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=mask,
-                scale=scale,
-            )
-            out[q_start:q_end] = o.transpose(0, 1)
+        starts = metadata.query_start_loc_cpu[: metadata.num_reqs + 1]
+        query_lens = starts[1:] - starts[:-1]
+        seq_lens = metadata.seq_lens_cpu[: metadata.num_reqs]
+        decode_rows = torch.nonzero(query_lens == 1).flatten()
+        if len(decode_rows):
+            self._decode(query, kv_cache, metadata, scale, out, decode_rows, starts, seq_lens)
+        for row in torch.nonzero(query_lens > 1).flatten().tolist():
+            q_start, q_end, seq_len = int(starts[row]), int(starts[row + 1]), int(seq_lens[row])
+            k, v = gather_kv(kv_cache, metadata.block_table[row : row + 1], seq_len)
+            out[q_start:q_end] = _attend(query[q_start:q_end][None], k, v, scale, seq_lens[row : row + 1])[0]
         return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+        rows: torch.Tensor,
+        starts: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> None:
+        """All one-token queries at once, padded to the longest context among them."""
+        token_index = starts[rows].to(query.device)
+        row_seq_lens = seq_lens[rows]
+        k, v = gather_kv(kv_cache, metadata.block_table[rows.to(query.device)], int(row_seq_lens.max()))
+        out[token_index] = _attend(query[token_index][:, None], k, v, scale, row_seq_lens)[:, 0]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last q_len positions of each row over its seq_len keys.
+
+    q [B, q_len, H, D], k/v [B, L, Hkv, D] (L >= every seq_len) -> [B, q_len, H, D].
+    """
+    batch, q_len, num_heads, head_size = q.shape
+    num_kv_heads, kv_len = k.shape[2], k.shape[1]
+    group = num_heads // num_kv_heads
+    # [B, Hkv, group * q_len, D]: query heads h = kv_head * group + g share their KV head.
+    q = (
+        q.view(batch, q_len, num_kv_heads, group, head_size)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(batch, num_kv_heads, group * q_len, head_size)
+    )
+    seq_lens = seq_lens.to(q.device)
+    q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)  # [B, q_len]
+    kv_pos = torch.arange(kv_len, device=q.device)
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [B, q_len, L]; also masks kv_pos >= seq_len
+    mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * q_len, L]
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    return (
+        o.view(batch, num_kv_heads, group, q_len, head_size)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(batch, q_len, num_heads, head_size)
+    )
