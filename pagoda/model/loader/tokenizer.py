@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from pagoda.config import ConfigError
+
+logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -26,14 +29,15 @@ def _tokenizer_from(path: str) -> PreTrainedTokenizerBase:
 
 def load_tokenizer(model: str, load_format: str, tokenizer: str | None = None) -> PreTrainedTokenizerBase | None:
     """`tokenizer` (a directory or .gguf file) if given, else the model's own; GGUF tokenizers and
-    chat templates come from the file's metadata. None for a dummy model without tokenizer files
-    (prompts must then be token ids)."""
+    chat templates come from the file's metadata. None for a model directory without tokenizer files
+    or a dummy shape name (prompts must then be token ids)."""
     if tokenizer is not None:
         path = os.path.abspath(os.path.expanduser(tokenizer))
         if not os.path.exists(path):
             raise ConfigError(f"tokenizer must be a directory or a .gguf file, got {tokenizer!r} (no such path)")
         return _tokenizer_from(path)
-    if load_format == "dummy" and not (os.path.isdir(model) and _has_tokenizer_files(model)):
+    if (os.path.isdir(model) and not _has_tokenizer_files(model)) or not os.path.exists(model):
+        logger.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", model)
         return None
     return _tokenizer_from(model)
 
