@@ -1,0 +1,368 @@
+"""`Scheduler`: continuous batching with chunked prefill over a paged, prefix-cached KV pool.
+
+Each step, running requests go first (oldest first: a decode needs one token, a prefill
+the rest of its prompt within the token budget), then waiting requests in FCFS order.
+When a running request cannot get blocks, the most recently admitted running request is
+preempted by recompute: its blocks are freed and it goes back to the front of the waiting
+queue, to be re-prefilled with its whole history (mostly from the prefix cache).
+
+`schedule()` never waits on a step's output: `num_computed_tokens` advances when a step is
+scheduled, and a request whose sampled token is still in flight (`num_pending_tokens`) is
+scheduled for the position of that token, which the runner fills in on the device. So the
+engine can schedule step N+1 before step N's output is back; a stop seen one step late
+drops the extra token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagoda.scheduler.kv_cache_manager import KVCacheManager
+from pagoda.scheduler.output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        budget = scheduler_config.max_num_batched_tokens
+        if budget is None:
+            raise ValueError("scheduler_config.max_num_batched_tokens must be set before building the Scheduler")
+        if scheduler_config.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {scheduler_config.max_model_len}")
+        if not scheduler_config.enable_chunked_prefill and budget < scheduler_config.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= max_model_len ({scheduler_config.max_model_len}) "
+                f"when chunked prefill is off, got {budget}"
+            )
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = budget
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        # In admission order: the tail is the lowest priority, preempted first.
+        self.running: list[Request] = []
+        # Ended since the last schedule(): reported in the next SchedulerOutput.
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; refuse (ValueError) one that could never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if request.num_prompt_tokens > self.max_model_len - 1:
+            raise ValueError(
+                f"prompt_token_ids has {request.num_prompt_tokens} tokens; at most max_model_len - 1 = "
+                f"{self.max_model_len - 1} fit, leaving a position for the first generated token"
+            )
+        max_len = self.max_model_len
+        if request.max_tokens is not None:
+            max_len = min(max_len, request.num_prompt_tokens + request.max_tokens)
+        # The last sampled token is never computed, so at most max_len - 1 tokens hold KV.
+        num_blocks = self.kv_cache_manager.num_blocks_for(max_len - 1)
+        usable = self.kv_cache_manager.block_pool.num_usable_blocks
+        if num_blocks > usable:
+            raise ValueError(
+                f"request {request.request_id!r} may need {num_blocks} KV cache blocks "
+                f"(prompt + max_tokens up to {max_len} tokens), the pool has {usable}"
+            )
+        self.kv_cache_manager.update_block_hashes(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests in any state (e.g. a stop string found by the detokenizer).
+
+        Unknown or already finished ids are ignored: an abort may race with a finish.
+        """
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status.name}")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._release(request, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """True while ended requests still have to be reported to the runner by a schedule()."""
+        return bool(self._finished_req_ids)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        kv = self.kv_cache_manager
+        num_scheduled: dict[str, int] = {}
+        scheduled: list[Request] = []
+        new_reqs: list[NewRequestData] = []
+        cached_reqs = CachedRequestData()
+        preempted_req_ids: set[str] = set()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(self._num_tokens_to_compute(request), budget)
+            if num_new == 0:
+                index += 1
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new, preempted_req_ids)
+            if new_block_ids is None:
+                break
+            appended: BlockIds | None = (new_block_ids,) if new_block_ids else None
+            _append_cached(cached_reqs, request, False, None, appended, request.num_computed_tokens)
+            num_scheduled[request.request_id] = num_new
+            scheduled.append(request)
+            budget -= num_new
+            index += 1
+
+        # After a preemption the pool is full: admitting more would only thrash.
+        while not preempted_req_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted while its last sampled token was in flight: wait for it
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.num_computed_tokens = num_hit_tokens
+            block_ids: BlockIds = (kv.get_block_ids(request),)
+            if request.status == RequestStatus.PREEMPTED:
+                _append_cached(cached_reqs, request, True, list(request.all_token_ids), block_ids, num_hit_tokens)
+            else:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request.request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        sampling_params=request.sampling_params,
+                        block_ids=block_ids,
+                        num_computed_tokens=num_hit_tokens,
+                    )
+                )
+            request.status = RequestStatus.RUNNING
+            num_scheduled[request.request_id] = num_new
+            scheduled.append(request)
+            budget -= num_new
+
+        for request in scheduled:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+            if request.num_computed_tokens >= request.num_tokens:
+                request.num_pending_tokens += 1  # the step reaches the last known token: it samples
+
+        finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=finished_req_ids,
+            freed_block_ids=kv.take_freed_block_ids(),
+            preempted_req_ids=preempted_req_ids,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, check stops, cache computed blocks, free finished requests."""
+        kv = self.kv_cache_manager
+        computed_before = _num_computed_before(scheduler_output)
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[tuple[Request, RequestStatus]] = []
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # ended while the step ran: its late token is dropped
+            # Capped by the current count: a request preempted and resumed since then holds
+            # fresh blocks, of which only those already scheduled may be cached.
+            kv.cache_blocks(request, min(computed_before[req_id] + num_scheduled, request.num_computed_tokens))
+            index = model_runner_output.req_id_to_index.get(req_id)
+            sampled = model_runner_output.sampled_token_ids[index] if index is not None else []
+            if not sampled:
+                continue  # a partial prefill chunk samples nothing
+            request.num_pending_tokens -= 1
+            status = None
+            new_token_ids = []
+            for token_id in sampled:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    break
+            if status is None:
+                kv.update_block_hashes(request)
+            else:
+                stopped.append((request, status))
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=status.finish_reason if status is not None else None,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        for request, final_status in stopped:
+            if request.status != RequestStatus.RUNNING:
+                self.waiting.remove(request)  # preempted while its last token was in flight
+            self._release(request, final_status)
+        if stopped:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    # ---- state and statistics ------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless no request state is left and the KV pool is whole.
+
+        Finished ids not yet sent to the runner count as state: the engine runs one more
+        schedule() to report them before it is idle.
+        """
+        leftovers = {
+            "requests": list(self.requests),
+            "running": [r.request_id for r in self.running],
+            "waiting": [r.request_id for r in self.waiting],
+            "finished ids not yet reported": sorted(self._finished_req_ids),
+        }
+        left = {name: ids[:16] for name, ids in leftovers.items() if ids}
+        if left:
+            raise AssertionError(f"scheduler not idle: {left}")
+        self.kv_cache_manager.check_idle()
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _num_tokens_to_compute(self, request: Request) -> int:
+        """Tokens a running request still needs; 0 once its in-flight tokens reach a length cap."""
+        if self._length_capped(request, request.num_pending_tokens):
+            return 0
+        return request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+
+    def _length_capped(self, request: Request, num_extra_tokens: int = 0) -> bool:
+        num_output = request.num_output_tokens + num_extra_tokens
+        return (
+            request.max_tokens is not None and num_output >= request.max_tokens
+        ) or request.num_tokens + num_extra_tokens >= self.max_model_len
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted_req_ids: set[str]) -> list[int] | None:
+        """Allocate for a running request, preempting from the tail of `running` until it fits.
+
+        Returns the new block ids, or None when the request had to preempt itself.
+        """
+        while (new_block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            victim = self.running.pop()
+            self.kv_cache_manager.free(victim)
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_computed_tokens = 0
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(victim)
+            preempted_req_ids.add(victim.request_id)
+            if victim is request:
+                return None
+        return new_block_ids
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and (token_id in request.eos_token_ids or token_id in params.all_stop_token_ids):
+                return RequestStatus.FINISHED_STOPPED
+        if self._length_capped(request):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _release(self, request: Request, status: RequestStatus) -> None:
+        """Finish a request already taken out of its queue: free its blocks, report its id."""
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.add(request.request_id)
+
+
+def _append_cached(
+    data: CachedRequestData,
+    request: Request,
+    resumed: bool,
+    resumed_token_ids: list[int] | None,
+    new_block_ids: BlockIds | None,
+    num_computed_tokens: int,
+) -> None:
+    data.req_ids.append(request.request_id)
+    data.resumed_from_preemption.append(resumed)
+    data.resumed_token_ids.append(resumed_token_ids)
+    data.new_block_ids.append(new_block_ids)
+    data.num_computed_tokens.append(num_computed_tokens)
+
+
+def _num_computed_before(scheduler_output: SchedulerOutput) -> dict[str, int]:
+    """Each scheduled request's computed-token count before the step ran."""
+    cached = scheduler_output.scheduled_cached_reqs
+    computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    computed.update((new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs)
+    return computed

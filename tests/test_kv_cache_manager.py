@@ -1,0 +1,342 @@
+"""KV cache manager and block pool: hashing, prefix hits, reference counts, eviction, idle check."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler.block_pool import NULL_BLOCK_ID, BlockPool
+from pagoda.scheduler.kv_cache_manager import KVCacheManager
+from pagoda.scheduler.request import Request
+
+BLOCK_SIZE = 4
+
+
+def make_request(req_id: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=8), eos_token_ids=set(), cache_salt=cache_salt)
+
+
+def make_manager(num_blocks: int = 16, enable_caching: bool = True) -> KVCacheManager:
+    return KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching)
+
+
+def admit(manager: KVCacheManager, request: Request) -> list[int]:
+    """Admit a request the way the scheduler does: prefix hit, allocate the rest, compute it."""
+    manager.update_block_hashes(request)
+    hit_blocks, num_hit = manager.get_computed_blocks(request)
+    num_new = request.num_tokens - num_hit
+    assert manager.allocate_slots(request, num_new, hit_blocks) is not None
+    request.num_computed_tokens = num_hit + num_new
+    manager.cache_blocks(request, request.num_computed_tokens)
+    return manager.get_block_ids(request)
+
+
+def snapshot(manager: KVCacheManager) -> tuple:
+    pool = manager.block_pool
+    return (
+        pool.num_free_blocks,
+        [block.ref_cnt for block in pool.blocks],
+        [block.block_id for block in pool._free_queue],
+        dict(pool._cached),
+        {req_id: list(blocks) for req_id, blocks in manager._req_blocks.items()},
+    )
+
+
+# ---- hashing ------------------------------------------------------------------------------
+
+
+def test_same_prefix_gives_same_hashes() -> None:
+    manager = make_manager()
+    a = make_request("a", list(range(12)))
+    b = make_request("b", [*range(12), 50, 51])
+    manager.update_block_hashes(a)
+    manager.update_block_hashes(b)
+    assert len(a.block_hashes) == 3
+    assert len(b.block_hashes) == 3  # the 2-token tail is not a full block
+    assert a.block_hashes == b.block_hashes
+    assert len(set(a.block_hashes)) == 3
+
+
+def test_changing_one_token_changes_that_block_and_all_later_ones() -> None:
+    manager = make_manager()
+    a = make_request("a", list(range(12)))
+    tokens = list(range(12))
+    tokens[5] = 99  # block 1
+    b = make_request("b", tokens)
+    manager.update_block_hashes(a)
+    manager.update_block_hashes(b)
+    assert a.block_hashes[0] == b.block_hashes[0]
+    assert a.block_hashes[1] != b.block_hashes[1]
+    assert a.block_hashes[2] != b.block_hashes[2]  # same tokens, different parent
+
+
+def test_incremental_hashes_match_hashes_of_the_whole_sequence() -> None:
+    manager = make_manager()
+    growing = make_request("a", list(range(6)))
+    manager.update_block_hashes(growing)
+    for token in range(6, 14):
+        growing.append_output_token(token)
+        manager.update_block_hashes(growing)
+    whole = make_request("b", list(range(14)))
+    manager.update_block_hashes(whole)
+    assert len(growing.block_hashes) == 3
+    assert growing.block_hashes == whole.block_hashes
+
+
+def test_cache_salt_isolates_tenants() -> None:
+    manager = make_manager()
+    tokens = list(range(9))
+    admit(manager, make_request("owner", tokens, cache_salt="tenant-a"))
+
+    same = make_request("same", tokens, cache_salt="tenant-a")
+    other = make_request("other", tokens, cache_salt="tenant-b")
+    unsalted = make_request("unsalted", tokens)
+    for request in (same, other, unsalted):
+        manager.update_block_hashes(request)
+
+    assert manager.get_computed_blocks(same)[1] == 8
+    for request in (other, unsalted):
+        assert set(request.block_hashes).isdisjoint(same.block_hashes)
+        assert manager.get_computed_blocks(request) == ([], 0)
+
+
+# ---- prefix hits --------------------------------------------------------------------------
+
+
+def test_hit_on_a_shared_prefix() -> None:
+    manager = make_manager()
+    a_ids = admit(manager, make_request("a", list(range(10))))
+    b = make_request("b", [*range(8), 70, 71, 72, 73, 74])
+    manager.update_block_hashes(b)
+    hit_blocks, num_hit = manager.get_computed_blocks(b)
+    assert num_hit == 8
+    assert [block.block_id for block in hit_blocks] == a_ids[:2]
+
+
+def test_full_prompt_hit_recomputes_the_last_token() -> None:
+    manager = make_manager()
+    admit(manager, make_request("a", list(range(9))))  # blocks 0 and 1 are full and cached
+
+    exact_blocks = make_request("b", list(range(8)))
+    manager.update_block_hashes(exact_blocks)
+    assert manager.get_computed_blocks(exact_blocks)[1] == 4  # not 8: the last token is recomputed
+
+    one_more = make_request("c", list(range(9)))
+    manager.update_block_hashes(one_more)
+    assert manager.get_computed_blocks(one_more)[1] == 8
+
+
+def test_only_full_computed_blocks_are_cached() -> None:
+    manager = make_manager()
+    a = make_request("a", list(range(10)))
+    manager.update_block_hashes(a)
+    assert manager.allocate_slots(a, 6) is not None
+    a.num_computed_tokens = 6
+    manager.cache_blocks(a, 6)  # block 1 is only half computed
+
+    b = make_request("b", list(range(10)))
+    manager.update_block_hashes(b)
+    assert manager.get_computed_blocks(b)[1] == 4
+    manager.free(a)
+
+
+def test_two_requests_share_blocks_by_reference_count() -> None:
+    manager = make_manager()
+    pool = manager.block_pool
+    a = make_request("a", list(range(10)))
+    b = make_request("b", [*range(8), 60, 61, 62])
+    a_ids = admit(manager, a)
+    b_ids = admit(manager, b)
+    assert b_ids[:2] == a_ids[:2]
+    assert b_ids[2] != a_ids[2]
+    assert [pool.blocks[i].ref_cnt for i in a_ids[:2]] == [2, 2]
+
+    manager.free(a)
+    assert [pool.blocks[i].ref_cnt for i in a_ids[:2]] == [1, 1]
+    manager.free(b)
+    assert [pool.blocks[i].ref_cnt for i in a_ids] == [0, 0, 0]
+    # Still cached while free: a later request hits them.
+    c = make_request("c", list(range(9)))
+    manager.update_block_hashes(c)
+    assert [block.block_id for block in manager.get_computed_blocks(c)[0]] == a_ids[:2]
+    manager.check_idle()
+
+
+# ---- eviction -----------------------------------------------------------------------------
+
+
+def test_eviction_takes_uncached_blocks_first_then_least_recently_freed_tail_first() -> None:
+    manager = make_manager(num_blocks=9)  # 8 usable blocks
+    pool = manager.block_pool
+    a = make_request("a", list(range(13)))  # 3 full blocks + a partial one
+    b = make_request("b", list(range(100, 108)))  # 2 full blocks
+    a_ids = admit(manager, a)
+    b_ids = admit(manager, b)
+    unused = sorted(set(range(1, 9)) - set(a_ids) - set(b_ids))
+    manager.free(a)
+    manager.free(b)  # b is freed after a: more recently used
+
+    expected_order = [a_ids[3], *unused, a_ids[2], a_ids[1], a_ids[0], b_ids[1], b_ids[0]]
+    cached_before = {block_id for block_id in range(9) if pool.blocks[block_id].block_hash is not None}
+    assert cached_before == set(a_ids[:3]) | set(b_ids)
+
+    taken = []
+    for _ in range(8):
+        (block,) = pool.get_new_blocks(1)
+        taken.append(block.block_id)
+        assert block.block_hash is None
+        still_cached = {h for h in a.block_hashes + b.block_hashes if pool.get_cached_block(h) is not None}
+        later = [i for i in expected_order[len(taken) :] if i in cached_before]
+        assert {pool.blocks[i].block_hash for i in later} == still_cached
+    assert taken == expected_order
+    pool.free_blocks(pool.blocks[i] for i in taken)
+    manager.check_idle()
+
+
+def test_a_hit_on_a_free_block_takes_it_out_of_eviction_order() -> None:
+    manager = make_manager(num_blocks=5)  # 4 usable
+    pool = manager.block_pool
+    a = make_request("a", list(range(8)))
+    a_ids = admit(manager, a)
+    manager.free(a)
+    b = make_request("b", list(range(9)))
+    manager.update_block_hashes(b)
+    hit_blocks, _ = manager.get_computed_blocks(b)
+    assert manager.allocate_slots(b, 1, hit_blocks) is not None
+    assert manager.get_block_ids(b)[:2] == a_ids
+    assert pool.num_free_blocks == 1
+    last = pool.get_new_blocks(1)
+    assert last[0].block_id not in a_ids
+    pool.free_blocks(last)
+    manager.free(b)
+    manager.check_idle()
+
+
+def test_null_block_is_never_allocated_or_freed() -> None:
+    manager = make_manager(num_blocks=6)
+    pool = manager.block_pool
+    requests = [make_request(f"r{i}", list(range(10 * i, 10 * i + 4))) for i in range(5)]
+    handed_out = [block_id for request in requests for block_id in admit(manager, request)]
+    assert sorted(handed_out) == [1, 2, 3, 4, 5]
+    assert manager.allocate_slots(make_request("x", [1]), 1) is None
+
+    for request in requests:
+        manager.free(request)
+    pool.free_blocks([pool.null_block])
+    assert pool.null_block.ref_cnt == 0
+    assert NULL_BLOCK_ID not in [block.block_id for block in pool._free_queue]
+    assert NULL_BLOCK_ID not in pool.take_freed_block_ids()
+    manager.check_idle()
+
+
+def test_failed_allocation_leaves_state_unchanged() -> None:
+    manager = make_manager(num_blocks=7)  # 6 usable
+    a = make_request("a", list(range(8)))
+    admit(manager, a)
+    manager.free(a)  # 2 cached free blocks
+    hog = make_request("hog", list(range(200, 212)))
+    admit(manager, hog)  # takes 3 blocks: the uncached ones first, so a's blocks stay cached
+
+    b = make_request("b", [*range(8), *range(300, 310)])  # hits a's 2 blocks, needs 3 more
+    manager.update_block_hashes(b)
+    hit_blocks, num_hit = manager.get_computed_blocks(b)
+    assert num_hit == 8
+    before = snapshot(manager)
+    assert manager.allocate_slots(b, b.num_tokens - num_hit, hit_blocks) is None
+    assert snapshot(manager) == before
+    assert manager.get_block_ids(b) == []
+    assert manager.prefix_cache_queries == a.num_tokens + hog.num_tokens  # b's failed admission not counted
+
+    running = make_request("c", list(range(400, 404)))
+    admit(manager, running)
+    before = snapshot(manager)
+    assert manager.allocate_slots(running, 12) is None  # 3 more blocks, 2 free
+    assert snapshot(manager) == before
+    manager.free(hog)
+    manager.free(running)
+    manager.check_idle()
+
+
+# ---- figures, freed ids, reset, idle ------------------------------------------------------
+
+
+def test_usage_and_prefix_cache_hit_rate() -> None:
+    manager = make_manager(num_blocks=11)  # 10 usable
+    assert manager.usage == 0.0
+    assert manager.prefix_cache_hit_rate == 0.0
+    a = make_request("a", list(range(10)))
+    admit(manager, a)  # 3 blocks
+    assert manager.usage == pytest.approx(0.3)
+    b = make_request("b", [*range(8), 90, 91])
+    admit(manager, b)  # 2 shared + 1 new
+    assert manager.usage == pytest.approx(0.4)
+    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (20, 8)
+    assert manager.prefix_cache_hit_rate == pytest.approx(0.4)
+    manager.free(a)
+    manager.free(b)
+    assert manager.usage == 0.0  # cached free blocks count as free
+
+
+def test_freed_block_ids_report_blocks_whose_content_is_gone() -> None:
+    manager = make_manager(num_blocks=6)  # 5 usable
+    pool = manager.block_pool
+    a = make_request("a", list(range(10)))  # 2 full cached blocks + 1 partial
+    a_ids = admit(manager, a)
+    assert manager.take_freed_block_ids() == []
+    manager.free(a)
+    assert manager.take_freed_block_ids() == [a_ids[2]]  # cached blocks keep their content
+    assert manager.take_freed_block_ids() == []
+    taken = pool.get_new_blocks(4)  # 2 unused + the partial one, then evicts a's tail block
+    assert manager.take_freed_block_ids() == [a_ids[1]]
+    pool.free_blocks(taken)
+    manager.take_freed_block_ids()
+    manager.reset_prefix_cache()
+    assert manager.take_freed_block_ids() == [a_ids[0]]
+    manager.check_idle()
+
+
+def test_reset_prefix_cache_drops_every_hit() -> None:
+    manager = make_manager()
+    a = make_request("a", list(range(10)))
+    admit(manager, a)
+    manager.reset_prefix_cache()  # while a still holds its blocks
+    manager.free(a)
+    b = make_request("b", list(range(10)))
+    manager.update_block_hashes(b)
+    assert manager.get_computed_blocks(b) == ([], 0)
+    manager.check_idle()
+
+
+def test_prefix_caching_off_hashes_nothing_and_never_hits() -> None:
+    manager = make_manager(enable_caching=False)
+    a = make_request("a", list(range(10)))
+    a_ids = admit(manager, a)
+    assert a.block_hashes == []
+    manager.free(a)
+    assert sorted(manager.take_freed_block_ids()) == sorted(a_ids)
+    b = make_request("b", list(range(10)))
+    admit(manager, b)
+    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (0, 0)
+    manager.free(b)
+    manager.check_idle()
+
+
+def test_idle_check_passes_when_whole_and_catches_leaks() -> None:
+    manager = make_manager()
+    a = make_request("a", list(range(10)))
+    admit(manager, a)
+    with pytest.raises(AssertionError, match="still hold KV blocks"):
+        manager.check_idle()
+    manager.free(a)
+    manager.check_idle()
+
+    leaked = manager.block_pool.get_new_blocks(1)  # taken outside any request
+    with pytest.raises(AssertionError, match="still have references"):
+        manager.check_idle()
+    manager.block_pool.free_blocks(leaked)
+    manager.check_idle()
+
+
+def test_block_pool_refuses_a_pool_without_usable_blocks() -> None:
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(1)
