@@ -157,9 +157,16 @@ class EngineConfig:
             "device_config": DeviceConfig,
         }
         split: dict[str, dict[str, Any]] = {name: {} for name in groups}
-        owners = {f.name: name for name, klass in groups.items() for f in dataclasses.fields(klass)}
+        # Fields the engine derives (hf_config, the scheduler's copy of max_model_len) are not settable.
+        derived = {("model_config", "hf_config"), ("scheduler_config", "max_model_len")}
+        owners = {
+            f.name: name
+            for name, klass in groups.items()
+            for f in dataclasses.fields(klass)
+            if (name, f.name) not in derived
+        }
         for key, value in kwargs.items():
-            if key not in owners or key in ("hf_config",):
+            if key not in owners:
                 raise ConfigError(f"unknown engine argument {key!r}")
             split[owners[key]][key] = value
 

@@ -47,10 +47,13 @@ class LLMEngine:
         return self.processor.process(request_id, prompt, params)
 
     def enqueue(self, request: Request, prompt_text: str | None) -> None:
+        try:
+            self.engine_core.add_request(request)
+        except ValueError as error:  # the scheduler's own limits, e.g. a KV pool too small for it
+            raise InvalidRequestError("prompt", str(error)) from error
         self.output_processor.add_request(
             request.request_id, prompt_text, request.prompt_token_ids, request.sampling_params
         )
-        self.engine_core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         self.engine_core.abort_requests(request_ids)

@@ -1,0 +1,129 @@
+"""Decode attention kernel bandwidth on CUDA: B requests x L keys each, KV bytes read per second.
+
+Decode is bound by reading every running request's KV history, so achieved bandwidth against
+the GPU's (about 4.8 TB/s on an H200) is the kernel's figure of merit. Times the attention
+launch alone (KV write excluded), replayed from a CUDA graph, with triton.testing.do_bench, with
+the split count the backend would pick and without splitting. Default shape: Qwen3-0.6B (16 query heads, 8 KV heads of 128,
+bf16, block size 16).
+
+    python benchmarks/attention_kernel.py --batch 1 8 64 256 --context 1024 8192 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import triton
+
+from pagoda.attention.backends.triton import TritonAttentionBackend
+from pagoda.attention.metadata import AttentionMetadata
+from pagoda.attention.ops.triton_unified_attention import unified_attention
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Each timed graph reads at least this much KV (in copies of the cache), well past the 50 MB L2.
+COLD_BYTES = 1 << 30
+MAX_COPIES = 64
+
+
+def decode_metadata(batch: int, context: int, block_size: int, num_blocks: int) -> AttentionMetadata:
+    """Every request at `context` keys, its blocks scattered at random over the pool."""
+    blocks_per_req = triton.cdiv(context, block_size)
+    block_ids = torch.randperm(num_blocks - 1, device="cuda")[: batch * blocks_per_req] + 1
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return AttentionMetadata(
+        num_reqs=batch,
+        num_actual_tokens=batch,
+        max_query_len=1,
+        max_seq_len=context,
+        block_size=block_size,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=block_ids.view(batch, blocks_per_req).to(torch.int32),
+        slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device="cuda"),
+        query_start_loc_cpu=query_start_loc.cpu(),
+        seq_lens_cpu=seq_lens.cpu(),
+    )
+
+
+def time_decode(
+    backend: TritonAttentionBackend, batch: int, context: int, block_size: int, dtype: torch.dtype
+) -> tuple[int, float, float]:
+    """(splits the backend picks, microseconds per launch with them, without splitting).
+
+    Launches replay from a CUDA graph, as decode runs in the engine, so host launch overhead is
+    not timed; the graph cycles through enough copies of the KV cache that none is L2-resident.
+    """
+    num_blocks = batch * triton.cdiv(context, block_size) + 1
+    kv_shape = (2, num_blocks, block_size, backend.num_kv_heads, backend.head_size)
+    kv_bytes = math.prod(kv_shape) * dtype.itemsize
+    copies = min(MAX_COPIES, math.ceil(COLD_BYTES / kv_bytes))
+    kv_caches = [torch.randn(kv_shape, dtype=dtype, device="cuda") for _ in range(copies)]
+    metadata = decode_metadata(batch, context, block_size, num_blocks)
+    query = torch.randn(batch, backend.num_heads, backend.head_size, dtype=dtype, device="cuda")
+    out = torch.empty_like(query)
+    splits = backend.num_kv_splits(batch)
+
+    def time_graph(num_splits: int) -> float:
+        def attention() -> None:
+            for kv_cache in kv_caches:
+                unified_attention(
+                    query, kv_cache, metadata, backend.head_size**-0.5, out, num_splits, backend.workspace
+                )
+
+        attention()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            attention()
+        return triton.testing.do_bench(graph.replay) * 1e3 / copies
+
+    return splits, time_graph(splits), time_graph(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    parser.add_argument("--num-heads", type=int, default=16)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--max-kv-gib", type=float, default=40.0, help="skip shapes whose KV exceeds this")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs CUDA")
+
+    dtype = DTYPES[args.dtype]
+    bytes_per_key = 2 * args.num_kv_heads * args.head_size * dtype.itemsize
+    backend = TritonAttentionBackend(
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_size=args.head_size,
+        max_num_seqs=max(args.batch),
+        max_model_len=args.max_model_len,
+        device="cuda",
+    )
+    print(f"{torch.cuda.get_device_name()}: {args.num_heads} q / {args.num_kv_heads} kv heads x {args.head_size}")
+    print(f"{args.dtype}, block size {args.block_size}, max_model_len {args.max_model_len}")
+    print(
+        f"{'batch':>6} {'context':>8} {'KV GB':>7} {'splits':>6} {'us':>9} {'TB/s':>6} {'us (1 split)':>13} {'TB/s':>6}"
+    )
+    for batch in args.batch:
+        for context in args.context:
+            kv_bytes = batch * context * bytes_per_key
+            if kv_bytes > args.max_kv_gib * 2**30:
+                continue
+            splits, us, us_unsplit = time_decode(backend, batch, context, args.block_size, dtype)
+            print(
+                f"{batch:>6} {context:>8} {kv_bytes / 1e9:>7.2f} {splits:>6} {us:>9.1f} {kv_bytes / us / 1e6:>6.2f}"
+                f" {us_unsplit:>13.1f} {kv_bytes / us_unsplit / 1e6:>6.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""Paged attention for one flat batch that mixes prefill chunks and decodes, in Triton.
+
+One program handles one query tile of one request for one KV head. The tile holds BLOCK_Q
+query tokens times every query head of that KV head's group (GQA), BLOCK_M rows in all, so each
+KV tile is read once for the whole group. Scores are causal inside the request's query chunk,
+which sits after a cached prefix of any length, and an online softmax runs in float32.
+
+Split-K (flash decoding): with NUM_SPLITS > 1 each query tile's KV range is cut into NUM_SPLITS
+parts handled by separate programs, which write normalized partial outputs and log-sum-exps into
+a workspace; `_merge_splits_kernel` combines them. This fills the GPU when few long requests
+decode. NUM_SPLITS is a launch constant chosen from static sizes (`choose_num_kv_splits`), and
+the parts are cut from each request's actual length on the device, so a CUDA graph captured for
+one batch size is valid for every step of that size.
+
+The kernels read the batch (query starts, sequence lengths, block tables) from device tensors
+only; the host passes sizes that are fixed per captured batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.attention.metadata import AttentionMetadata
+
+# Split-K planning: up to this many programs per streaming multiprocessor (on an H200, decode
+# bandwidth peaked near 4 x 132 programs at every batch size from 1 to 64), never cut a
+# max_model_len-long sequence into parts shorter than MIN_KEYS_PER_SPLIT keys, cap the count.
+PROGRAMS_PER_SM = 4
+MIN_KEYS_PER_SPLIT = 256
+MAX_KV_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape. min_rows: query rows per program (tl.dot needs 16), raised to the GQA group
+    size; tile_n: keys per inner-loop step, any power of two, independent of the KV block size."""
+
+    min_rows: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Decode tiles hold one token's group; prefill tiles hold many tokens, so each KV tile loaded
+# serves more queries.
+DECODE_TILES = TileConfig(min_rows=16, tile_n=64, num_warps=4, num_stages=2)
+PREFILL_TILES = TileConfig(min_rows=64, tile_n=64, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, tile_idx, num_reqs, BLOCK_Q: tl.constexpr):
+    """The request owning query tile `tile_idx`.
+
+    Request i's tiles start at query_start_loc[i] // BLOCK_Q + i: an upper bound on the tiles
+    before it that needs no host-side count, and gives each zero-length row exactly one tile.
+    """
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_reqs,
+    scale_log2,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_block_table,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _find_request(query_start_loc_ptr, tile_idx, num_reqs, BLOCK_Q)
+    query_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - query_start
+    q_tile = tile_idx - (query_start // BLOCK_Q + req)
+    if q_tile * BLOCK_Q >= query_len:
+        return
+    context_len = tl.load(seq_lens_ptr + req) - query_len
+
+    # Row r is query token r // GROUP of the tile, query head r % GROUP of the group. Rows past
+    # BLOCK_Q * GROUP (when GROUP does not divide BLOCK_M) would reach into the next tile's first
+    # token with this tile's key range, one key short, and race its correct write: masked.
+    rows = tl.arange(0, BLOCK_M)
+    q_index = q_tile * BLOCK_Q + rows // GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_index < query_len)
+    token = (query_start + q_index).to(tl.int64)
+    head = kv_head * GROUP + rows % GROUP
+    last_key = context_len + q_index
+    dims = tl.arange(0, HEAD_SIZE_PADDED)
+    dim_valid = dims < HEAD_SIZE
+    row_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(
+        query_ptr + token[:, None] * stride_query_token + head[:, None] * stride_query_head + dims[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
+
+    # Keys visible to the tile's last query, cut into this split's share of TILE_N-key tiles.
+    kv_len = context_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, query_len)
+    num_tiles = tl.cdiv(kv_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], tl.float32)
+    block_table_row = block_table_ptr + req.to(tl.int64) * stride_block_table
+    keys = tl.arange(0, TILE_N)
+    for t in range(tile_lo, tile_hi):
+        key_pos = t * TILE_N + keys
+        key_valid = key_pos < kv_len
+        block = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        kv_offset = (
+            block[:, None] * stride_cache_block
+            + (key_pos % BLOCK_SIZE)[:, None] * stride_cache_slot
+            + kv_head * stride_cache_head
+            + dims[None, :]
+        )
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(key_pos[None, :] <= last_key[:, None], s, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        # A row with no visible key yet keeps its max at -inf; subtract 0 there instead of -inf.
+        ref_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.exp2(s - ref_max[:, None])
+        alpha = tl.exp2(row_max - ref_max)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+
+    safe_sum = tl.where(row_sum == 0.0, 1.0, row_sum)
+    out = acc / safe_sum[:, None]
+    if NUM_SPLITS == 1:
+        out_offset = token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
+        tl.store(out_ptr + out_offset, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        part = (token * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(partial_out_ptr + part[:, None] * HEAD_SIZE_PADDED + dims[None, :], out, mask=row_mask)
+        lse = tl.where(row_sum == 0.0, float("-inf"), row_max + tl.log2(safe_sum))
+        tl.store(partial_lse_ptr + part, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    query_start_loc_ptr,
+    num_reqs,
+    stride_out_token,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):
+        return
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_SIZE_PADDED)
+    dim_valid = dims < HEAD_SIZE
+    # Split 0 always holds key 0, visible to every query, so the maximum is finite.
+    lse = tl.load(partial_lse_ptr + part)
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    partial = tl.load(partial_out_ptr + part[:, None] * HEAD_SIZE_PADDED + dims[None, :], mask=dim_valid[None, :])
+    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(
+        out_ptr + token * stride_out_token + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_valid,
+    )
+
+
+@dataclass
+class SplitKWorkspace:
+    """Float32 partial outputs and log-sum-exps of split-K launches, allocated once at max size.
+
+    A launch of R rows and S splits uses the first R * H * S entries, laid out [R, H, S(, D)], so
+    a captured graph always sees the same addresses.
+    """
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+    num_heads: int
+    head_size_padded: int
+
+    @classmethod
+    def allocate(
+        cls, max_rows_x_splits: int, num_heads: int, head_size: int, device: torch.device | str
+    ) -> SplitKWorkspace:
+        head_size_padded = triton.next_power_of_2(head_size)
+        entries = max_rows_x_splits * num_heads
+        return cls(
+            partial_out=torch.empty(entries * head_size_padded, dtype=torch.float32, device=device),
+            partial_lse=torch.empty(entries, dtype=torch.float32, device=device),
+            num_heads=num_heads,
+            head_size_padded=head_size_padded,
+        )
+
+    def fits(self, rows_x_splits: int, num_heads: int, head_size: int) -> bool:
+        return (
+            num_heads == self.num_heads
+            and triton.next_power_of_2(head_size) == self.head_size_padded
+            and rows_x_splits * num_heads <= self.partial_lse.shape[0]
+        )
+
+
+def choose_num_kv_splits(num_rows: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
+    """Splits per query row for a decode launch of `num_rows` rows (a power of two, 1 = no split).
+
+    Depends only on sizes fixed per captured batch size, never on this step's lengths: the most
+    splits that keep the launch within PROGRAMS_PER_SM programs per SM, but no part of a
+    max_model_len sequence shorter than MIN_KEYS_PER_SPLIT keys.
+    """
+    wanted = PROGRAMS_PER_SM * num_sms // (num_rows * num_kv_heads)
+    useful = max_model_len // MIN_KEYS_PER_SPLIT
+    splits = max(1, min(wanted, useful, MAX_KV_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+def unified_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int = 1,
+    workspace: SplitKWorkspace | None = None,
+) -> None:
+    """out[t] = causal paged attention of query[t] [T, H, D] over kv_cache [2, blocks, block_size, Hkv, D].
+
+    Reads metadata.query_start_loc, seq_lens and block_table on the device, and the host ints
+    num_reqs and max_query_len (the latter picks the tile shape). Rows of `out` for tokens past
+    query_start_loc[num_reqs] (padding) are left untouched. num_splits > 1 needs a workspace
+    with room for T * num_splits rows.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = kv_cache.shape[-2]
+    if kv_cache.shape[-1] != head_size or num_heads % num_kv_heads:
+        raise ValueError(f"query [T, {num_heads}, {head_size}] does not fit kv_cache {tuple(kv_cache.shape)}")
+    if query.stride(-1) != 1 or out.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("query, out and kv_cache must be contiguous in head_size")
+    if num_splits > 1 and not (workspace is not None and workspace.fits(num_tokens * num_splits, num_heads, head_size)):
+        raise ValueError(
+            f"num_splits={num_splits} for [{num_tokens}, {num_heads}, {head_size}] needs a larger SplitKWorkspace"
+        )
+    if num_tokens == 0 or metadata.num_reqs == 0:
+        return
+    group = num_heads // num_kv_heads
+    tiles = DECODE_TILES if metadata.max_query_len <= 1 else PREFILL_TILES
+    block_m = max(tiles.min_rows, triton.next_power_of_2(group))
+    block_q = block_m // group
+    # Four-byte inputs get half as many keys per tile, so a tile takes the same shared memory.
+    tile_n = tiles.tile_n if query.element_size() <= 2 else tiles.tile_n // 2
+    head_size_padded = triton.next_power_of_2(head_size)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    partial_out = workspace.partial_out if num_splits > 1 else out
+    partial_lse = workspace.partial_lse if num_splits > 1 else out
+    grid = (num_tokens // block_q + metadata.num_reqs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        out,
+        partial_out,
+        partial_lse,
+        query,
+        k_cache,
+        v_cache,
+        metadata.block_table,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        metadata.num_reqs,
+        scale * math.log2(math.e),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        metadata.block_table.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=head_size_padded,
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            workspace.partial_out,
+            workspace.partial_lse,
+            metadata.query_start_loc,
+            metadata.num_reqs,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=head_size_padded,
+            NUM_SPLITS=num_splits,
+        )

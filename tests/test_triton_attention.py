@@ -1,0 +1,403 @@
+"""The Triton attention kernels against the torch reference backend.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes (numpy computes them in
+float32: tolerance 1e-4 for float32 inputs, 2e-2 relative for float16/bfloat16). With CUDA the
+same tests run compiled, and the `gpu`-marked sweeps add large shapes (bf16 per-row relative
+error <= 1e-2, fp16 <= 5e-3 against a float32 reference).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from pagoda.attention.backends.torch_ref import TorchAttentionBackend
+from pagoda.attention.backends.triton import TritonAttentionBackend
+from pagoda.attention.metadata import AttentionMetadata
+from pagoda.attention.ops.triton_reshape_and_cache import reshape_and_cache
+from pagoda.attention.ops.triton_unified_attention import (
+    SplitKWorkspace,
+    choose_num_kv_splits,
+    unified_attention,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    kv_cache: torch.Tensor
+    metadata: AttentionMetadata
+    num_actual_tokens: int
+
+    @property
+    def scale(self) -> float:
+        return self.query.shape[-1] ** -0.5
+
+
+def make_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    *,
+    num_kv_heads: int = 2,
+    group: int = 2,
+    head_size: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    num_pad_tokens: int = 0,
+    num_pad_reqs: int = 0,
+    device: str = DEVICE,
+) -> Batch:
+    """A flat batch of fresh random data over a randomly scattered, randomly filled KV cache.
+
+    Padded tokens (slot -1) follow the real ones; padded rows (length 0, seq_len 0, block table
+    of null blocks) follow the real requests, as the runner's static buffers hold them.
+    """
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    max_blocks = max([*blocks_per_req, 1])
+    num_blocks = 1 + sum(blocks_per_req) + 2
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
+    block_ids = (torch.randperm(num_blocks - 1) + 1).tolist()
+    num_reqs = len(query_lens) + num_pad_reqs
+    block_table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
+    slots: list[int] = []
+    for i, (n, context, seq_len) in enumerate(zip(blocks_per_req, context_lens, seq_lens, strict=True)):
+        block_table[i, :n] = torch.tensor(block_ids[:n], dtype=torch.int32)
+        block_ids = block_ids[n:]
+        slots += [int(block_table[i, p // block_size]) * block_size + p % block_size for p in range(context, seq_len)]
+    num_actual_tokens = len(slots)
+    slots += [-1] * num_pad_tokens
+    num_tokens = len(slots)
+    query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    query_start_loc[1 : len(query_lens) + 1] = torch.tensor(query_lens).cumsum(0)
+    query_start_loc[len(query_lens) + 1 :] = num_actual_tokens
+    seq_lens_t = torch.tensor(seq_lens + [0] * num_pad_reqs, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_reqs=num_reqs,
+        num_actual_tokens=num_actual_tokens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=seq_lens_t.to(device),
+        block_table=block_table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens_t,
+    )
+    num_heads = num_kv_heads * group
+    return Batch(
+        query=torch.randn(num_tokens, num_heads, head_size, dtype=dtype, device=device),
+        key=torch.randn(num_tokens, num_kv_heads, head_size, dtype=dtype, device=device),
+        value=torch.randn(num_tokens, num_kv_heads, head_size, dtype=dtype, device=device),
+        kv_cache=kv_cache,
+        metadata=metadata,
+        num_actual_tokens=num_actual_tokens,
+    )
+
+
+def reference(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch backend output and cache, computed in float32 from the same (possibly rounded) inputs."""
+    kv_cache = batch.kv_cache.float()
+    out = TorchAttentionBackend().forward(
+        batch.query.float(), batch.key.float(), batch.value.float(), kv_cache, batch.metadata, batch.scale
+    )
+    return out, kv_cache
+
+
+def run_triton(batch: Batch, num_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV write then attention into a NaN-poisoned output; returns (output, cache)."""
+    kv_cache = batch.kv_cache.clone()
+    reshape_and_cache(batch.key, batch.value, kv_cache, batch.metadata.slot_mapping)
+    out = torch.full_like(batch.query, float("nan"))
+    num_tokens, num_heads, head_size = batch.query.shape
+    workspace = SplitKWorkspace.allocate(num_tokens * num_splits, num_heads, head_size, batch.query.device)
+    unified_attention(batch.query, kv_cache, batch.metadata, batch.scale, out, num_splits, workspace)
+    return out, kv_cache
+
+
+def max_row_relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest per-token ||out - ref|| / ||ref|| over the [H, D] rows."""
+    err = (out.float() - ref).flatten(1).norm(dim=1)
+    return (err / ref.flatten(1).norm(dim=1).clamp_min(1e-6)).max().item()
+
+
+def check(batch: Batch, num_splits: int = 1, rel_tol: float | None = None) -> None:
+    """Real rows match the reference, padded rows stay poisoned, the caches agree everywhere."""
+    out, kv_cache = run_triton(batch, num_splits)
+    ref, ref_cache = reference(batch)
+    n = batch.num_actual_tokens
+    if rel_tol is None:
+        torch.testing.assert_close(out[:n], ref[:n], atol=1e-4, rtol=1e-4)
+    else:
+        assert max_row_relative_error(out[:n], ref[:n]) <= rel_tol
+    assert out[n:].isnan().all(), "padding rows must not be written"
+    torch.testing.assert_close(kv_cache.float(), ref_cache, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- KV write
+
+
+def test_reshape_and_cache_writes_exactly_the_given_slots() -> None:
+    num_blocks, block_size, num_kv_heads, head_size = 6, 16, 2, 64
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, device=DEVICE)
+    before = kv_cache.clone()
+    slots = torch.randperm((num_blocks - 1) * block_size)[:20] + block_size
+    slot_mapping = torch.cat([slots[:7], torch.tensor([-1]), slots[7:], torch.tensor([-1, -1])]).to(DEVICE)
+    key = torch.randn(slot_mapping.shape[0], num_kv_heads, head_size, device=DEVICE)
+    value = torch.randn_like(key)
+
+    reshape_and_cache(key, value, kv_cache, slot_mapping)
+
+    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
+    valid = slot_mapping >= 0
+    torch.testing.assert_close(flat[0, slot_mapping[valid]], key[valid], atol=0, rtol=0)
+    torch.testing.assert_close(flat[1, slot_mapping[valid]], value[valid], atol=0, rtol=0)
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
+    untouched[slot_mapping[valid]] = False
+    assert untouched[:block_size].all(), "the null block must never be a target here"
+    torch.testing.assert_close(flat[:, untouched], before.view(2, -1, num_kv_heads, head_size)[:, untouched])
+
+
+def test_reshape_and_cache_strided_key_from_fused_qkv() -> None:
+    num_kv_heads, head_size, block_size = 2, 64, 16
+    qkv = torch.randn(5, (4 + 2 * num_kv_heads) * head_size, device=DEVICE)
+    key = qkv[:, 4 * head_size : 6 * head_size].view(5, num_kv_heads, head_size)
+    value = qkv[:, 6 * head_size :].view(5, num_kv_heads, head_size)
+    kv_cache = torch.zeros(2, 3, block_size, num_kv_heads, head_size, device=DEVICE)
+    slot_mapping = torch.tensor([16, 17, 40, 41, -1], device=DEVICE)
+
+    reshape_and_cache(key, value, kv_cache, slot_mapping)
+
+    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
+    torch.testing.assert_close(flat[0, slot_mapping[:4]], key[:4], atol=0, rtol=0)
+    torch.testing.assert_close(flat[1, slot_mapping[:4]], value[:4], atol=0, rtol=0)
+    assert flat[:, :16].eq(0).all()
+
+
+# ---------------------------------------------------------------- attention, float32
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 3, 7])
+def test_decode_batch(group: int) -> None:
+    context_lens = [0, 5, 15, 16, 40]
+    check(make_batch([1] * 5, context_lens, group=group, num_kv_heads=1 if group > 2 else 2))
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 80])
+def test_prefill_batch(head_size: int) -> None:
+    check(make_batch([1, 17, 70], [0, 0, 0], head_size=head_size, num_kv_heads=1))
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_mixed_batch_prefill_chunks_over_cached_prefixes(group: int) -> None:
+    batch = make_batch([1, 20, 1, 33, 9], [37, 13, 0, 48, 16], group=group, block_size=32)
+    check(batch)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_sequence_lengths_at_block_boundaries(block_size: int) -> None:
+    lens = [block_size - 1, block_size, block_size + 1]
+    check(make_batch([1, 1, 1], [n - 1 for n in lens], block_size=block_size))
+    check(make_batch(lens, [0, 0, 0], block_size=block_size))
+    check(make_batch([2, 3, 1], [n - 1 for n in lens], block_size=block_size))
+
+
+def test_padded_tokens_and_zero_length_rows() -> None:
+    check(make_batch([1, 6, 1], [20, 3, 0], num_pad_tokens=5, num_pad_reqs=3))
+    check(make_batch([1, 1], [9, 30], num_pad_tokens=6, num_pad_reqs=6))
+
+
+@pytest.mark.parametrize("num_splits", [2, 4, 8])
+def test_split_k_decode(num_splits: int) -> None:
+    batch = make_batch([1] * 4, [0, 15, 31, 100], group=4, num_kv_heads=1, num_pad_tokens=3, num_pad_reqs=3)
+    check(batch, num_splits=num_splits)
+
+
+def test_split_k_mixed_batch() -> None:
+    check(make_batch([1, 20, 5], [50, 10, 0], num_pad_tokens=2, num_pad_reqs=1), num_splits=4)
+
+
+# ---------------------------------------------------------------- attention, half precision
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_half_precision(dtype: torch.dtype, num_splits: int) -> None:
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("the Triton interpreter's tl.dot reads bfloat16 operands as integers; covered on the GPU")
+    batch = make_batch([1, 1, 12], [33, 64, 20], dtype=dtype, head_size=128, num_pad_tokens=2)
+    check(batch, num_splits=num_splits, rel_tol=2e-2)
+
+
+# ---------------------------------------------------------------- backend and split planning
+
+
+def test_choose_num_kv_splits_depends_on_static_sizes_only() -> None:
+    for rows in (1, 2, 3, 8, 64, 256):
+        splits = choose_num_kv_splits(rows, num_kv_heads=8, max_model_len=32768, num_sms=132)
+        assert splits & (splits - 1) == 0
+        assert splits == 1 or rows * 8 * splits <= 4 * 132, "more programs than 4 per SM"
+        assert rows * 8 * splits * 2 > 4 * 132 or splits == 64, "doubling the splits would still fit"
+    assert [choose_num_kv_splits(rows, 8, 32768, 132) for rows in (1, 4, 8, 16, 32, 64)] == [64, 16, 8, 4, 2, 1]
+    assert choose_num_kv_splits(1, 8, 300, 132) == 1, "a 300-key max_model_len is not worth splitting"
+    assert choose_num_kv_splits(1, 1, 10**6, 10**4) == 64, "capped at MAX_KV_SPLITS"
+
+
+def test_backend_workspace_fits_every_decode_size() -> None:
+    backend = TritonAttentionBackend(
+        num_heads=4, num_kv_heads=2, head_size=64, max_num_seqs=9, max_model_len=4096, device=DEVICE
+    )
+    assert backend.num_kv_splits(1) > 1
+    for rows in range(1, 10):
+        assert backend.workspace.fits(rows * backend.num_kv_splits(rows), 4, 64)
+    assert backend.num_kv_splits(10) == 1
+
+
+@pytest.mark.parametrize(("query_lens", "context_lens"), [([1, 1, 1], [70, 3, 16]), ([1, 9, 1], [5, 30, 0])])
+def test_backend_forward_matches_reference(query_lens: list[int], context_lens: list[int]) -> None:
+    batch = make_batch(query_lens, context_lens, num_pad_tokens=1, num_pad_reqs=1)
+    backend = TritonAttentionBackend(
+        num_heads=4, num_kv_heads=2, head_size=64, max_num_seqs=4, max_model_len=512, device=DEVICE
+    )
+    if batch.metadata.max_query_len == 1:
+        assert backend.num_kv_splits(batch.query.shape[0]) > 1, "the decode case must take the split-K path"
+    kv_cache = batch.kv_cache.clone()
+    out = backend.forward(batch.query, batch.key, batch.value, kv_cache, batch.metadata, batch.scale)
+    ref, ref_cache = reference(batch)
+    n = batch.num_actual_tokens
+    torch.testing.assert_close(out[:n], ref[:n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kv_cache, ref_cache, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- GPU sweeps
+
+
+GPU_DECODE_SHAPES = [(1, 1), (1, 32768), (2, 17000), (8, 4096), (32, 2048), (128, 700), (256, 300)]
+
+
+def random_lengths(batch: int, max_len: int) -> list[int]:
+    """Lengths in [1, max_len], the maximum always among them."""
+    lens = torch.randint(1, max_len + 1, (batch,))
+    lens[0] = max_len
+    return lens.tolist()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
+def test_gpu_decode_sweep(dtype: torch.dtype, head_size: int, group: int) -> None:
+    rel_tol = 1e-2 if dtype == torch.bfloat16 else 5e-3
+    for batch_size, context in GPU_DECODE_SHAPES:
+        num_kv_heads = 2
+        batch = make_batch(
+            [1] * batch_size,
+            [n - 1 for n in random_lengths(batch_size, context)],
+            num_kv_heads=num_kv_heads,
+            group=group,
+            head_size=head_size,
+            dtype=dtype,
+            num_pad_tokens=3,
+            num_pad_reqs=3,
+        )
+        backend = TritonAttentionBackend(
+            num_heads=num_kv_heads * group,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            max_num_seqs=512,
+            max_model_len=32768,
+            device=DEVICE,
+        )
+        for num_splits in {1, backend.num_kv_splits(batch.query.shape[0])}:
+            check(batch, num_splits=num_splits, rel_tol=rel_tol)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
+def test_gpu_mixed_sweep(dtype: torch.dtype, head_size: int, group: int) -> None:
+    rel_tol = 1e-2 if dtype == torch.bfloat16 else 5e-3
+    query_lens = [1] * 40 + [2048, 513, 100, 7, 1]
+    context_lens = [*random_lengths(40, 8000), 0, 3000, 16383, 1, 30000]
+    batch = make_batch(
+        query_lens, context_lens, group=group, head_size=head_size, dtype=dtype, num_pad_tokens=8, num_pad_reqs=2
+    )
+    check(batch, rel_tol=rel_tol)
+
+
+@gpu
+@needs_cuda
+def test_gpu_decode_graph_replays_with_new_lengths() -> None:
+    """Captured once on static buffers, the decode step stays right when lengths, blocks and slots change."""
+    num_rows, num_kv_heads, group, head_size, block_size, max_model_len = 4, 8, 2, 128, 16, 8192
+    backend = TritonAttentionBackend(
+        num_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        max_num_seqs=num_rows,
+        max_model_len=max_model_len,
+        device=DEVICE,
+    )
+    assert backend.num_kv_splits(num_rows) > 1
+    # Three real requests and one padded row; each step's data comes from a fresh batch.
+    steps = [
+        make_batch([1] * 3, lens, num_kv_heads=num_kv_heads, group=group, head_size=head_size, dtype=torch.bfloat16)
+        for lens in ([8000, 4000, 10], [100, 7000, 8100])
+    ]
+    num_blocks = max(step.kv_cache.shape[1] for step in steps)
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=torch.bfloat16, device=DEVICE)
+    query = torch.zeros(num_rows, num_kv_heads * group, head_size, dtype=torch.bfloat16, device=DEVICE)
+    key = torch.zeros(num_rows, num_kv_heads, head_size, dtype=torch.bfloat16, device=DEVICE)
+    value = torch.zeros_like(key)
+    query_start_loc = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
+    seq_lens = torch.zeros(num_rows, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_reqs=num_rows,
+        num_actual_tokens=3,
+        max_query_len=1,
+        max_seq_len=max_model_len,
+        block_size=block_size,
+        query_start_loc=query_start_loc.to(DEVICE),
+        seq_lens=seq_lens.to(DEVICE),
+        block_table=torch.zeros(num_rows, max_model_len // block_size, dtype=torch.int32, device=DEVICE),
+        slot_mapping=torch.full((num_rows,), -1, dtype=torch.int64, device=DEVICE),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
+
+    def forward() -> torch.Tensor:
+        return backend.forward(query, key, value, kv_cache, metadata, head_size**-0.5)
+
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    for step in steps:
+        kv_cache[:, : step.kv_cache.shape[1]] = step.kv_cache
+        query[:3], key[:3], value[:3] = step.query, step.key, step.value
+        metadata.seq_lens[:3] = step.metadata.seq_lens
+        metadata.block_table.zero_()
+        metadata.block_table[:3, : step.metadata.block_table.shape[1]] = step.metadata.block_table
+        metadata.slot_mapping[:3] = step.metadata.slot_mapping
+        graph.replay()
+        ref, ref_cache = reference(step)
+        assert max_row_relative_error(out[:3], ref) <= 1e-2
+        torch.testing.assert_close(kv_cache[:, : step.kv_cache.shape[1]].float(), ref_cache, atol=0, rtol=0)
