@@ -8,6 +8,7 @@ trust its config without re-validating.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +41,11 @@ class DeviceConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device is 'cuda' but torch sees no CUDA device")
         if self.attention_backend == "auto":
-            self.attention_backend = "torch"
-        if self.attention_backend not in ("torch",):
-            raise ConfigError(f"attention_backend must be one of ['torch'], got {self.attention_backend!r}")
+            self.attention_backend = "triton" if self.is_cuda else "torch"
+        if self.attention_backend not in ("torch", "triton"):
+            raise ConfigError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.attention_backend == "triton" and not self.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("attention_backend 'triton' needs device 'cuda' (or TRITON_INTERPRET=1 on the CPU)")
 
     @property
     def is_cuda(self) -> bool:

@@ -21,6 +21,27 @@ from pagoda import LLM, SamplingParams
 MIN_MARGIN = 1e-3
 NEW_TOKENS = 12
 ARCHITECTURES = ["llama3", "qwen2", "qwen3"]
+# (device, attention backend); the CUDA ones run on the GPU machine with `pytest -m gpu`.
+TARGETS = [
+    pytest.param(("cpu", "torch"), id="cpu-torch"),
+    pytest.param(("cuda", "torch"), id="cuda-torch", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "triton"), id="cuda-triton", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=TARGETS)
+def target(request) -> dict[str, str]:
+    device, backend = request.param
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    # A fixed, small KV pool: a memory-sized one would take most of the GPU in every test.
+    return {
+        "device": device,
+        "attention_backend": backend,
+        "dtype": "float32",
+        "max_model_len": 128,
+        "num_gpu_blocks": 256,
+    }
 
 
 def make_prompts(seed: int, count: int = 8, shared_prefix: int = 0) -> list[list[int]]:
@@ -61,21 +82,21 @@ ENGINE_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(ENGINE_VARIANTS))
-def test_greedy_matches_hf(tiny_model, variant: str) -> None:
+def test_greedy_matches_hf(tiny_model, target, variant: str) -> None:
     path, hf_model = tiny_model
     prompts = make_prompts(seed=len(variant), shared_prefix=9)
-    llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=128, **ENGINE_VARIANTS[variant])
+    llm = LLM(model=path, **{**target, **ENGINE_VARIANTS[variant]})
     check_against_reference(llm, prompts, reference(hf_model, prompts))
     stats = llm.llm_engine.engine_core.scheduler.make_stats()
     if variant == "tiny-kv-pool-preempts":
         assert stats.num_preemptions > 0, "the pool was meant to be too small for the batch"
 
 
-def test_requests_joining_a_running_batch(tiny_model) -> None:
+def test_requests_joining_a_running_batch(tiny_model, target) -> None:
     path, hf_model = tiny_model
     prompts = make_prompts(seed=7, count=6)
     references = reference(hf_model, prompts)
-    llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=16)
+    llm = LLM(model=path, **target, max_num_batched_tokens=16)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     ids = {engine.add_request(prompts[0], params): 0, engine.add_request(prompts[1], params): 1}
@@ -95,11 +116,11 @@ def test_requests_joining_a_running_batch(tiny_model) -> None:
     engine.check_idle()
 
 
-def test_same_prompt_twice_hits_the_prefix_cache_and_matches(tiny_model) -> None:
+def test_same_prompt_twice_hits_the_prefix_cache_and_matches(tiny_model, target) -> None:
     path, hf_model = tiny_model
     prompt = make_prompts(seed=11, count=1)[0] * 2
     references = reference(hf_model, [prompt])
-    llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=128, block_size=4)
+    llm = LLM(model=path, **{**target, "block_size": 4})
     check_against_reference(llm, [prompt], references)
     check_against_reference(llm, [prompt], references)  # whole prompt cached: last token recomputed
     stats = llm.llm_engine.engine_core.scheduler.make_stats()

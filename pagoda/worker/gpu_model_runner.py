@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagoda.attention.backends import get_attention_backend
+from pagoda.attention.backends import AttentionShape, get_attention_backend
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import EngineConfig
 from pagoda.outputs import ModelRunnerOutput
@@ -73,7 +73,14 @@ class GPUModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.kv_connector = KVConnector()
-        self.attn_backend = get_attention_backend(config.device_config.attention_backend)
+        shape = AttentionShape(
+            num_heads=self.model_config.num_attention_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            max_num_seqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+        )
+        self.attn_backend = get_attention_backend(config.device_config.attention_backend, shape, device)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         # Seeds for requests that bring none: drawn from the engine seed, so runs repeat.
