@@ -17,6 +17,22 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
+class Logprob:
+    """One token's log probability (per the sampler's logprobs_mode), its rank in the
+    vocabulary (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the top-N asked for, plus the sampled one).
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; the first is None (nothing precedes it).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class ModelRunnerOutput:
     """What one forward step produced, by batch row.
 
@@ -55,6 +71,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: SampleLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -68,6 +85,8 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # One entry per parallel sample (SamplingParams.n), by CompletionOutput.index.
     outputs: list[CompletionOutput]
     finished: bool = False
+    prompt_logprobs: PromptLogprobs | None = None
     metrics: dict[str, float] = field(default_factory=dict)

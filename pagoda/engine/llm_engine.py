@@ -19,7 +19,10 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """`engine_core` is anything with EngineCore's request/step interface: the in-process
+    EngineCore by default, or a client of a core running in its own process."""
+
+    def __init__(self, config: EngineConfig, engine_core: EngineCore | None = None) -> None:
         self.config = config
         model_config = config.model_config
         self.tokenizer = load_tokenizer(model_config.model, model_config.load_format, model_config.tokenizer)
@@ -27,7 +30,7 @@ class LLMEngine:
             model_config.model, model_config.load_format, model_config.hf_config, self.tokenizer
         )
         self.processor = Processor(config, self.tokenizer, eos_token_ids)
-        self.engine_core = EngineCore(config)
+        self.engine_core = engine_core if engine_core is not None else EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
