@@ -62,7 +62,16 @@ class ModelConfig:
     dtype: str | torch.dtype = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    # What sampled-token logprobs report: raw_logprobs, raw_logits, processed_logprobs or
+    # processed_logits (after penalties, temperature and truncation); see pagoda.sample.sampler.
+    logprobs_mode: str = "raw_logprobs"
     hf_config: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        from pagoda.sample.sampler import LOGPROBS_MODES
+
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
     @property
     def num_layers(self) -> int:

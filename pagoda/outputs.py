@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, a stop token id or a stop string
@@ -33,16 +35,45 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
+class LogprobsArrays:
+    """Log probabilities of a run of positions (generated tokens, or prompt tokens), as plain arrays.
+
+    Row i is one position. Column 0 is the token actually there (the sampled token, or the
+    prompt's next token), columns 1.. the most likely tokens in rank order. Values follow the
+    sampler's logprobs_mode; ranks are 1-based vocabulary ranks (1 + the number of tokens
+    with a strictly larger value). Processed modes give -inf to tokens truncation removed.
+    """
+
+    token_ids: np.ndarray  # [num_positions, 1 + num_top] int64
+    logprobs: np.ndarray  # [num_positions, 1 + num_top] float32
+    ranks: np.ndarray  # [num_positions, 1 + num_top] int64
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def select(self, rows: slice, num_top: int) -> LogprobsArrays:
+        """Positions `rows`, keeping the chosen token and the top `num_top` (a request's own N)."""
+        columns = slice(0, 1 + num_top)
+        return LogprobsArrays(self.token_ids[rows, columns], self.logprobs[rows, columns], self.ranks[rows, columns])
+
+
+@dataclass
 class ModelRunnerOutput:
     """What one forward step produced, by batch row.
 
     `sampled_token_ids[i]` belongs to `req_ids[i]`; it is empty for a request whose prompt
-    is still being prefilled in chunks (no token is sampled there).
+    is still being prefilled in chunks (no token is sampled there). `logprobs` (None when no
+    row asked) has one row per batch row, for its sampled token, with as many top columns as
+    the most any row asked for. `prompt_logprobs` holds the whole prompt's logprobs of each
+    request that asked and whose prompt completed this step (one row per prompt token after
+    the first), so chunked prefills deliver them once.
     """
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
+    logprobs: LogprobsArrays | None = None
+    prompt_logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
 
     @staticmethod
     def empty() -> ModelRunnerOutput:
@@ -58,6 +89,11 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    # One row per new token, trimmed to the request's own `logprobs` N; None unless it asked.
+    new_logprobs: LogprobsArrays | None = None
+    # The whole prompt's logprobs (one row per prompt token after the first), in the output
+    # that carries the request's first token; None unless it asked for prompt_logprobs.
+    new_prompt_logprobs: LogprobsArrays | None = None
 
     @property
     def finished(self) -> bool:

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from pagoda.errors import InvalidRequestError
 
+# Caps on what one request may ask for. n: parallel samples of one prompt (OpenAI's own limit).
+MAX_N = 128
+# logprobs / prompt_logprobs: top-N alternatives per token (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+# presence_penalty / frequency_penalty magnitude, and logit_bias magnitude (OpenAI's ranges).
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
 
 class SamplingParamsError(InvalidRequestError):
     """An invalid sampling setting; the message names the field and its range."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -17,13 +31,33 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1 and min_p 0
     disable their filters. A seed makes a random request reproducible on its own: draws are
-    keyed by (seed, output position), not by the batch it happens to run in.
+    keyed by (seed, output position), not by the batch it happens to run in; with n > 1,
+    sample i draws from a seed derived from (seed, i) (sample 0 from the seed itself).
+
+    Logits are processed in this order: allowed_token_ids, bad_words and min_tokens (which
+    hide the stop tokens until min_tokens tokens exist), logit_bias, repetition_penalty
+    (over prompt and output tokens: positive logits divided, negative multiplied), then
+    frequency_penalty * count + presence_penalty * (count > 0) subtracted (over output
+    tokens), then temperature and top-k / top-p / min-p.
+
+    logprobs=N returns, per generated token, the sampled token and the N most likely ones
+    (0: the sampled token alone); prompt_logprobs=N does the same for every prompt token
+    after the first. bad_words are banned as token sequences: a word's last token is
+    excluded whenever the output so far ends with the tokens before it (each word is
+    tokenized with and without a leading space).
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -31,46 +65,97 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Filled by the engine from the model (generation_config eos ids); not a user setting.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine's processor: bad_words as token id sequences.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            # JSON object keys are strings: accept "50256" for token 50256, as OpenAI's API sends them.
+            self.logit_bias = {
+                int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v for k, v in self.logit_bias.items()
+            }
         self.validate()
 
     def validate(self) -> None:
         def bad(name: str, limit: str, value: object) -> SamplingParamsError:
             return SamplingParamsError(name, f"{name} must be {limit}, got {value!r}")
 
-        if not self.temperature >= 0.0:
-            raise bad("temperature", ">= 0", self.temperature)
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer in [1, {MAX_N}]", self.n)
+        if not self.temperature >= 0.0 or math.isinf(self.temperature):
+            raise bad("temperature", "a finite number >= 0", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]", self.top_p)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            raise bad("top_k", "an integer", self.top_k)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "an integer >= -1 (-1 or 0: off)", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]", self.min_p)
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise bad(name, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", getattr(self, name))
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "a finite number > 0 (1: off)", self.repetition_penalty)
+        self._validate_token_settings(bad)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1", self.max_tokens)
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", "an integer", self.seed)
+        if self.seed is not None and (not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX):
+            raise bad("seed", "an integer in [-2**63, 2**63)", self.seed)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings", self.stop)
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]", value)
+
+    def _validate_token_settings(self, bad) -> None:
+        """Token-id settings: types and signs here; the vocabulary bound in the engine's Processor."""
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "a dict of token id -> bias", self.logit_bias)
+            for token_id, bias in self.logit_bias.items():
+                if not _is_int(token_id) or token_id < 0:
+                    raise bad("logit_bias", "keyed by non-negative integer token ids", token_id)
+                is_number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+                if not is_number or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", f"token id -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", bias)
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", "None or a non-empty list of non-negative integers", self.allowed_token_ids)
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            raise bad("bad_words", "None or a list of non-blank strings", self.bad_words)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def clone(self) -> SamplingParams:
         """A copy the engine may fill in (eos ids, max_tokens) without touching the user's."""
-        return replace(self, all_stop_token_ids=set(self.all_stop_token_ids))
+        return replace(
+            self,
+            all_stop_token_ids=set(self.all_stop_token_ids),
+            bad_words_token_ids=[list(t) for t in self.bad_words_token_ids],
+        )

@@ -3,8 +3,6 @@ caches built by hand, without the model runner."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
@@ -133,23 +131,6 @@ def save_tiny_checkpoint(name: str, path: str, sharded: bool = False) -> torch.n
     hf_model.eval()
     hf_model.save_pretrained(path, max_shard_size="100KB" if sharded else "1GB")
     return hf_model
-
-
-def load_hf_from_gguf(path: str) -> tuple[PretrainedConfig, torch.nn.Module, dict[str, torch.Tensor]]:
-    """transformers' own reading of a GGUF file: (config, float32 model, dequantized tensors).
-
-    Built with `from_config` + `load_gguf_checkpoint` (what `from_pretrained(gguf_file=...)`
-    does, without the `accelerate` dependency it requires)."""
-    from transformers import AutoConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    model_dir, file_name = os.path.split(path)
-    config = AutoConfig.from_pretrained(model_dir, gguf_file=file_name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    return config, model.eval(), tensors
 
 
 @torch.inference_mode()

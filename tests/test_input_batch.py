@@ -9,11 +9,11 @@ import torch
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.input_batch import CachedRequestState, InputBatch
 
-MAX_REQS, MAX_LEN, MAX_BLOCKS = 8, 64, 16
+MAX_REQS, MAX_LEN, MAX_BLOCKS, VOCAB = 8, 64, 16, 1000
 
 
 def make_batch() -> InputBatch:
-    return InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, torch.device("cpu"), pin_memory=False)
+    return InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, VOCAB, torch.device("cpu"), pin_memory=False)
 
 
 def make_state(i: int, rng: np.random.Generator) -> CachedRequestState:

@@ -209,3 +209,17 @@ def test_abort_in_every_state_frees_everything(state: str) -> None:
     engine.abort_requests([victim, "no-such-request"])  # twice, and unknown: ignored
     run_until_idle(engine)
     engine.check_idle()
+
+
+def test_cli_generate_streams_the_answer(capsys) -> None:
+    from pagoda.entrypoints.cli import main
+
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "24", "--max-model-len", "512"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_cli_reports_bad_flags_without_a_traceback(capsys) -> None:
+    from pagoda.entrypoints.cli import main
+
+    assert main(["generate", "hi", "--temperature", "-1", "--max-model-len", "512"]) == 2
+    assert "temperature" in capsys.readouterr().err

@@ -8,7 +8,6 @@ two figures come from the same machine and moment.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda import LLM, SamplingParams
+from pagoda.benchmarks.hf_peer import load_hf_model
 
 
 @dataclass
@@ -52,15 +52,7 @@ def run_pagoda(llm: LLM, workload: Workload) -> float:
 
 
 def run_hf(model_path: str, load_format: str, workload: Workload, dtype: torch.dtype, device: str) -> float:
-    from transformers import AutoModelForCausalLM
-
-    if load_format == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    model = model.to(device).eval()
+    model = load_hf_model(model_path, load_format, dtype).to(device)
     longest = max(len(p) for p in workload.prompts)
     pad = 0
     input_ids = torch.tensor([[pad] * (longest - len(p)) + p for p in workload.prompts], device=device)
@@ -101,15 +93,13 @@ def main(argv: list[str] | None = None) -> None:
     workload = make_workload(args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.output_len, args.seed)
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device)
     model_config = llm.llm_engine.config.model_config
+    device = llm.llm_engine.config.device_config.device
     rows = [("pagoda", run_pagoda(llm, workload))]
+    print(f"pagoda: {rows[0][1]:.2f} s", flush=True)
+    del llm  # free its KV cache before the peer loads
     if args.peer == "hf":
-        device = llm.llm_engine.config.device_config.device
-        rows.append(
-            (
-                "hf-transformers",
-                run_hf(model_config.model, model_config.load_format, workload, model_config.dtype, device),
-            )
-        )
+        hf_seconds = run_hf(model_config.model, model_config.load_format, workload, model_config.dtype, device)
+        rows.append(("hf-transformers", hf_seconds))
     print(
         f"workload: {len(workload.prompts)} prompts, {workload.num_prompt_tokens} prompt tokens, "
         f"{workload.num_output_tokens} output tokens; torch threads {torch.get_num_threads()}"

@@ -46,10 +46,14 @@ class Processor:
                 f"max_model_len ({self.max_model_len}), so at most {self.max_model_len - 1} prompt tokens",
             )
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("logit_bias", list(params.logit_bias or ()))
+        self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
         params = params.clone()
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.bad_words:
+            params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -57,6 +61,21 @@ class Processor:
             eos_token_ids=set() if params.ignore_eos else set(self.eos_token_ids),
         )
         return request, prompt_text
+
+    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each word as written and with a leading space, when that space merges into its first token."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words", "bad_words need a tokenizer; this model has none")
+        sequences: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(plain)
+            if len(spaced) == len(plain) and spaced != plain:
+                sequences.append(spaced)
+        for sequence in sequences:
+            self._check_token_ids("bad_words", sequence)
+        return sequences
 
     def _check_token_ids(self, field: str, token_ids: list[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]

@@ -76,8 +76,8 @@ def stream_text(outputs: Iterator[RequestOutput]) -> Iterator[str]:
 def run_generate(args: argparse.Namespace) -> int:
     from pagoda import LLM
 
+    params = sampling_params(args)  # bad flags fail before the model loads
     llm = LLM(model=args.model, **engine_kwargs(args))
-    params = sampling_params(args)
     use_template = not args.no_chat_template and llm.get_tokenizer() is not None and llm.get_tokenizer().chat_template
     prompt = llm.render_chat([{"role": "user", "content": args.prompt}]) if use_template else args.prompt
     for delta in stream_text(llm.stream(prompt, params)):
@@ -90,8 +90,8 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_chat(args: argparse.Namespace) -> int:
     from pagoda import LLM
 
+    params = sampling_params(args)  # bad flags fail before the model loads
     llm = LLM(model=args.model, **engine_kwargs(args))
-    params = sampling_params(args)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

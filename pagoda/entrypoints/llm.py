@@ -68,7 +68,7 @@ class LLM:
                     if output.request_id == request_id:
                         yield output
         finally:
-            if request_id in engine.output_processor.request_states:
+            if engine.output_processor.has_request(request_id):
                 engine.abort_requests([request_id])
                 while engine.engine_core.has_work():
                     engine.step()

@@ -167,7 +167,9 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending_tokens:
                 break  # preempted while its last sampled token was in flight: wait for it
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            # Prompt logprobs need every prompt position computed, so such a prompt reads no cache.
+            needs_whole_prompt = request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens
+            hit_blocks, num_hit_tokens = ([], 0) if needs_whole_prompt else kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
                 if not self.enable_chunked_prefill:
@@ -244,12 +246,18 @@ class Scheduler:
                 kv.update_block_hashes(request)
             else:
                 stopped.append((request, status))
+            params = request.sampling_params
+            new_logprobs = None
+            if params.logprobs is not None and model_runner_output.logprobs is not None:
+                new_logprobs = model_runner_output.logprobs.select(slice(index, index + 1), params.logprobs)
             outputs.append(
                 EngineCoreOutput(
                     req_id=req_id,
                     new_token_ids=new_token_ids,
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,
+                    new_logprobs=new_logprobs,
+                    new_prompt_logprobs=model_runner_output.prompt_logprobs.get(req_id),
                 )
             )
         for request, final_status in stopped:

@@ -16,14 +16,17 @@ import torch
 from pagoda.attention.backends import AttentionShape, get_attention_backend
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import EngineConfig
-from pagoda.outputs import ModelRunnerOutput
-from pagoda.sample.metadata import SamplingMetadata
+from pagoda.outputs import LogprobsArrays, ModelRunnerOutput
+from pagoda.sample.metadata import PenaltyMetadata, SamplingMetadata
 from pagoda.sample.sampler import Sampler, SamplerOutput
+from pagoda.sampling_params import MAX_LOGPROBS
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
 from pagoda.worker.cuda_graph import CUDAGraphMode
 from pagoda.worker.input_batch import CachedRequestState, InputBatch
 from pagoda.worker.kv_connector.base import KVConnector
+from pagoda.worker.prompt_logprobs import compute_prompt_logprobs, empty_prompt_logprobs, scored_positions
+from pagoda.worker.sampling_batch import OFF
 
 
 @dataclass
@@ -67,11 +70,12 @@ class GPUModelRunner:
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
             max_num_blocks_per_req=self.max_num_blocks_per_req,
+            vocab_size=self.vocab_size,
             device=device,
             pin_memory=self.pin_memory,
         )
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.model_config.logprobs_mode)
         self.kv_connector = KVConnector()
         shape = AttentionShape(
             num_heads=self.model_config.num_attention_heads,
@@ -157,8 +161,13 @@ class GPUModelRunner:
         del hidden, logits
 
     def _dummy_sampling_metadata(self, num_rows: int) -> SamplingMetadata:
+        """Every setting on, with penalty statistics as large as the batch's, so the profile's peak
+        includes the sampler's largest temporaries and the [max_num_reqs, vocab] penalty counts."""
+
         def full(value: float, dtype: torch.dtype) -> torch.Tensor:
             return torch.full((num_rows,), value, dtype=dtype, device=self.device)
+
+        counts_shape = (num_rows, self.vocab_size)
 
         return SamplingMetadata(
             temperature=full(0.7, torch.float32),
@@ -169,6 +178,14 @@ class GPUModelRunner:
             min_p=full(0.05, torch.float32),
             seeds=full(0, torch.int64),
             output_positions=full(0, torch.int64),
+            penalties=PenaltyMetadata(
+                output_token_counts=torch.zeros(counts_shape, dtype=torch.int32, device=self.device),
+                prompt_token_mask=torch.zeros(counts_shape, dtype=torch.bool, device=self.device),
+                presence_penalty=full(0.5, torch.float32),
+                frequency_penalty=full(0.5, torch.float32),
+                repetition_penalty=full(1.1, torch.float32),
+            ),
+            max_num_logprobs=MAX_LOGPROBS,
         )
 
     # ---- the seed's step -----------------------------------------------------------------
@@ -193,6 +210,9 @@ class GPUModelRunner:
         for new_req in scheduler_output.scheduled_new_reqs:
             params = new_req.sampling_params
             seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**62))
+            prompt_logprobs = None
+            if params.prompt_logprobs is not None:
+                prompt_logprobs = empty_prompt_logprobs(len(new_req.prompt_token_ids), params.prompt_logprobs)
             state = CachedRequestState(
                 req_id=new_req.req_id,
                 prompt_token_ids=list(new_req.prompt_token_ids),
@@ -200,6 +220,7 @@ class GPUModelRunner:
                 seed=seed,
                 block_ids=tuple(list(ids) for ids in new_req.block_ids),
                 num_computed_tokens=new_req.num_computed_tokens,
+                prompt_logprobs=prompt_logprobs,
             )
             self.requests[new_req.req_id] = state
             batch.add_request(state)
@@ -301,7 +322,9 @@ class GPUModelRunner:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
 
     def _sample(self, hidden_states: torch.Tensor, inputs: PreparedInputs) -> SamplerOutput | None:
-        """Logits only at the positions that sample; partial prefill chunks sample nothing."""
+        """Logits only at the positions that sample; partial prefill chunks sample nothing
+        (but score their prompt tokens for requests that asked for prompt logprobs)."""
+        self._score_prompt_tokens(hidden_states)
         if len(inputs.sample_rows) == 0:
             return None
         assert self.model is not None
@@ -313,23 +336,75 @@ class GPUModelRunner:
             self.sample_rows.np[: len(sample_rows)] = sample_rows
             rows_device = self.sample_rows.copy_to_gpu(len(sample_rows))
         metadata = self.input_batch.sampling_metadata(sample_rows, rows_device)
-        return self.sampler(logits, metadata)
+        output = self.sampler(logits, metadata)
+        self.input_batch.sampling.record_sampled(sample_rows, rows_device, output.sampled_token_ids)
+        return output
+
+    def _score_prompt_tokens(self, hidden_states: torch.Tensor) -> None:
+        """Fill the prompt-logprobs buffers of the rows that asked, for the prompt tokens this step's chunk scores."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        rows = np.flatnonzero(batch.sampling.num_prompt_logprobs[:num_reqs] >= 0)
+        if len(rows) == 0:
+            return
+        assert self.model is not None
+        query_starts = self.query_start_loc.np[rows].astype(np.int64)
+        query_lens = self.query_start_loc.np[rows + 1] - query_starts
+        chunk_starts = batch.num_computed_tokens[rows].astype(np.int64)
+        counts, hidden_index, positions = scored_positions(
+            chunk_starts, query_starts, query_lens, batch.num_prompt_tokens[rows].astype(np.int64)
+        )
+        if len(positions) == 0:
+            return
+        scored = compute_prompt_logprobs(
+            self.model.compute_logits,
+            hidden_states,
+            hidden_index,
+            batch.token_ids_cpu[np.repeat(rows, counts), positions],
+            num_top=int(batch.sampling.num_prompt_logprobs[rows].max()),
+            normalize=self.sampler.logprobs_mode.endswith("logprobs"),
+        )
+        # Buffer row p - 1 holds prompt token p; each request keeps its own number of top columns.
+        first = 0
+        for row, start, count in zip(rows.tolist(), chunk_starts.tolist(), counts.tolist(), strict=True):
+            buffer = self.requests[batch.req_ids[row]].prompt_logprobs
+            assert buffer is not None
+            width = buffer.token_ids.shape[1]
+            part = scored.select(slice(first, first + count), width - 1)
+            buffer.token_ids[start : start + count] = part.token_ids
+            buffer.logprobs[start : start + count] = part.logprobs
+            buffer.ranks[start : start + count] = part.ranks
+            first += count
 
     def _bookkeeping_sync(self, inputs: PreparedInputs, sampler_output: SamplerOutput | None) -> ModelRunnerOutput:
-        """Bring sampled ids to the host, record them in the batch, and build the output."""
+        """Bring sampled ids (and logprobs) to the host, record them in the batch, and build the output."""
         batch = self.input_batch
         req_ids = list(batch.req_ids)
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
+        logprobs = None
+        prompt_logprobs: dict[str, LogprobsArrays] = {}
         if sampler_output is not None:
             sampled = sampler_output.sampled_token_ids.cpu().numpy()
             batch.append_sampled_tokens(inputs.sample_rows, sampled)
             for row, token_id in zip(inputs.sample_rows.tolist(), sampled.tolist(), strict=True):
                 sampled_token_ids[row] = [token_id]
                 self.requests[req_ids[row]].output_token_ids.append(token_id)
+            if sampler_output.logprobs is not None:
+                logprobs = _by_batch_row(sampler_output.logprobs.to_arrays(), inputs.sample_rows, len(req_ids))
+            # A request's prompt is complete once it samples: deliver its prompt logprobs now, once.
+            sampling = batch.sampling
+            for row in inputs.sample_rows[sampling.num_prompt_logprobs[inputs.sample_rows] >= 0].tolist():
+                state = self.requests[req_ids[row]]
+                assert state.prompt_logprobs is not None
+                prompt_logprobs[state.req_id] = state.prompt_logprobs
+                state.prompt_logprobs = None
+                sampling.num_prompt_logprobs[row] = OFF
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={req_id: row for row, req_id in enumerate(req_ids)},
             sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @torch.inference_mode()
@@ -352,3 +427,14 @@ class GPUModelRunner:
         if post_model_execute_cb is not None:
             post_model_execute_cb()
         return output
+
+
+def _by_batch_row(arrays: LogprobsArrays, sample_rows: np.ndarray, num_rows: int) -> LogprobsArrays:
+    """Logprobs of the sampled rows spread over all batch rows (rows that did not sample stay zero)."""
+
+    def spread(values: np.ndarray) -> np.ndarray:
+        out = np.zeros((num_rows, values.shape[1]), dtype=values.dtype)
+        out[sample_rows] = values
+        return out
+
+    return LogprobsArrays(spread(arrays.token_ids), spread(arrays.logprobs), spread(arrays.ranks))

@@ -1,9 +1,9 @@
 """The persistent input batch: per-request state as per-row NumPy arrays with device mirrors.
 
 Rows live across steps; each step applies only the scheduler's diff. Every row move goes
-through `_move_row` / `swap_states`, so the token history, lengths, sampling settings and
-block table of a request always travel together. `check_consistency` compares every row
-with its `CachedRequestState` (used by the tests).
+through `_move_row` / `swap_states`, so the token history, lengths, sampling settings
+(`SamplingBatch`) and block table of a request always travel together. `check_consistency`
+compares every row with its `CachedRequestState` (used by the tests).
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagoda.outputs import LogprobsArrays
 from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.output import BlockIds
 from pagoda.worker.block_table import BlockTable
+from pagoda.worker.sampling_batch import SamplingBatch
 
 
 @dataclass
@@ -30,6 +32,8 @@ class CachedRequestState:
     block_ids: BlockIds
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs filled chunk by chunk during prefill; None when not asked for or delivered.
+    prompt_logprobs: LogprobsArrays | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -42,6 +46,7 @@ class InputBatch:
         max_num_reqs: int,
         max_model_len: int,
         max_num_blocks_per_req: int,
+        vocab_size: int,
         device: torch.device,
         pin_memory: bool,
     ) -> None:
@@ -51,45 +56,15 @@ class InputBatch:
         self._req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
 
-        def pinned(dtype: torch.dtype, *shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin_memory)
-
-        self.token_ids_cpu = pinned(torch.int32, max_num_reqs, max_model_len).numpy()
+        self.token_ids_cpu = torch.zeros(
+            (max_num_reqs, max_model_len), dtype=torch.int32, pin_memory=pin_memory
+        ).numpy()
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
-
-        # Sampling settings: pinned host tensors (NumPy views) and device mirrors, refreshed
-        # only when the batch composition changes.
-        self._temperature_cpu = pinned(torch.float32, max_num_reqs)
-        self._top_k_cpu = pinned(torch.int32, max_num_reqs)
-        self._top_p_cpu = pinned(torch.float32, max_num_reqs)
-        self._min_p_cpu = pinned(torch.float32, max_num_reqs)
-        self._seeds_cpu = pinned(torch.int64, max_num_reqs)
-        self._sampling_host = (
-            self._temperature_cpu,
-            self._top_k_cpu,
-            self._top_p_cpu,
-            self._min_p_cpu,
-            self._seeds_cpu,
-        )
-        self._sampling_device = tuple(torch.zeros_like(t, device=device) for t in self._sampling_host)
-        self.temperature, self.top_k, self.top_p, self.min_p, self.seeds = (t.numpy() for t in self._sampling_host)
-        self._output_positions_cpu = pinned(torch.int64, max_num_reqs)
-        self._output_positions = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
-        self._sampling_dirty = True
-
+        self.sampling = SamplingBatch(max_num_reqs, vocab_size, device, pin_memory)
         self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, device, pin_memory)
-        self._row_arrays = (
-            self.num_tokens,
-            self.num_prompt_tokens,
-            self.num_computed_tokens,
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.min_p,
-            self.seeds,
-        )
+        self._row_arrays = (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens)
 
     @property
     def num_reqs(self) -> int:
@@ -121,14 +96,14 @@ class InputBatch:
         self.num_prompt_tokens[row] = num_prompt
         self.num_computed_tokens[row] = state.num_computed_tokens
 
-        params = state.sampling_params
-        self.temperature[row] = 0.0 if params.greedy else params.temperature
-        self.top_k[row] = params.top_k if params.top_k > 0 else 0
-        self.top_p[row] = params.top_p
-        self.min_p[row] = params.min_p
-        self.seeds[row] = state.seed
-        self._sampling_dirty = True
-
+        self.sampling.add_row(
+            row,
+            state.sampling_params,
+            state.seed,
+            state.prompt_token_ids,
+            state.output_token_ids,
+            wants_prompt_logprobs=state.prompt_logprobs is not None,
+        )
         self.block_table.add_row(state.block_ids[0], row)
         return row
 
@@ -139,7 +114,7 @@ class InputBatch:
             return None
         self._req_ids[row] = None
         self.block_table.clear_row(row)
-        self._sampling_dirty = True
+        self.sampling.clear_row(row)
         return row
 
     def swap_states(self, a: int, b: int) -> None:
@@ -153,7 +128,7 @@ class InputBatch:
             array[[a, b]] = array[[b, a]]
         self.token_ids_cpu[[a, b]] = self.token_ids_cpu[[b, a]]
         self.block_table.swap_row(a, b)
-        self._sampling_dirty = True
+        self.sampling.swap_rows(a, b)
 
     def _move_row(self, src: int, dst: int) -> None:
         req_id = self._req_ids[src]
@@ -165,7 +140,7 @@ class InputBatch:
         num_tokens = self.num_tokens[src]
         self.token_ids_cpu[dst, :num_tokens] = self.token_ids_cpu[src, :num_tokens]
         self.block_table.move_row(src, dst)
-        self._sampling_dirty = True
+        self.sampling.move_row(src, dst)
 
     def condense(self) -> None:
         """Move rows from the end into holes so that rows [0, num_reqs) are all occupied."""
@@ -185,38 +160,9 @@ class InputBatch:
         self.num_tokens[rows] += 1
 
     def sampling_metadata(self, sample_rows: np.ndarray, sample_rows_device: torch.Tensor | None) -> SamplingMetadata:
-        """Sampling settings of the rows that sample this step.
-
-        `sample_rows_device` is None when every row in [0, len(sample_rows)) samples in
-        order, the common decode case: then the device mirrors are sliced, not gathered.
-        """
-        num_reqs = self.num_reqs
-        if self._sampling_dirty:
-            for host, device in zip(self._sampling_host, self._sampling_device, strict=True):
-                device[:num_reqs].copy_(host[:num_reqs], non_blocking=True)
-            self._sampling_dirty = False
-        num_sampled = len(sample_rows)
-        positions = self._output_positions_cpu.numpy()
-        positions[:num_sampled] = self.num_tokens[sample_rows] - self.num_prompt_tokens[sample_rows]
-        self._output_positions[:num_sampled].copy_(self._output_positions_cpu[:num_sampled], non_blocking=True)
-
-        def rows_of(device_array: torch.Tensor) -> torch.Tensor:
-            if sample_rows_device is None:
-                return device_array[:num_sampled]
-            return device_array[sample_rows_device]
-
-        temperature, top_k, top_p, min_p, seeds = (rows_of(t) for t in self._sampling_device)
-        host_temperature = self.temperature[sample_rows]
-        greedy = host_temperature < 1e-5
-        return SamplingMetadata(
-            temperature=temperature,
-            all_greedy=bool(greedy.all()),
-            all_random=not bool(greedy.any()),
-            top_k=top_k if bool((self.top_k[sample_rows] > 0).any()) else None,
-            top_p=top_p if bool((self.top_p[sample_rows] < 1.0).any()) else None,
-            min_p=min_p if bool((self.min_p[sample_rows] > 0.0).any()) else None,
-            seeds=seeds,
-            output_positions=self._output_positions[:num_sampled],
+        """Sampling settings of the rows that sample this step (see `SamplingBatch.metadata`)."""
+        return self.sampling.metadata(
+            sample_rows, sample_rows_device, self.num_reqs, self.token_ids_cpu, self.num_tokens, self.num_prompt_tokens
         )
 
     def check_consistency(self, requests: dict[str, CachedRequestState]) -> None:
@@ -231,7 +177,4 @@ class InputBatch:
             assert self.num_prompt_tokens[row] == len(state.prompt_token_ids)
             assert self.num_computed_tokens[row] == state.num_computed_tokens
             assert self.block_table.row(row) == state.block_ids[0], req_id
-            params = state.sampling_params
-            assert self.temperature[row] == np.float32(0.0 if params.greedy else params.temperature)
-            assert self.top_p[row] == np.float32(params.top_p)
-            assert self.seeds[row] == state.seed
+            self.sampling.check_row(row, state.sampling_params, state.seed)

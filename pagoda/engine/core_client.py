@@ -1,0 +1,194 @@
+"""`EngineCoreClient`: EngineCore's interface, served by a core running in its own process.
+
+`LLMEngine(config, engine_core=EngineCoreClient(config))` works as with the in-process core:
+commands are sent without waiting, and `step()` returns the outputs reported since the last
+call. A synchronous caller blocks in `step()` until the next report; an asyncio caller awaits
+`wait_for_reports()` first, so `step()` finds them there and never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import time
+
+import zmq
+import zmq.asyncio
+
+from pagoda.config import EngineConfig
+from pagoda.engine.core_messages import CommandKind, CoreCommand, CoreFailed, CoreReady, CoreReport
+from pagoda.engine.core_proc import open_socket, run_engine_core, send
+from pagoda.outputs import EngineCoreOutput
+from pagoda.scheduler.request import Request, RequestStatus
+from pagoda.scheduler.scheduler import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+# Between two looks at whether the core process still lives, while waiting for it.
+LIVENESS_POLL_MS = 200
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process died; nothing more can be served."""
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 900.0) -> None:
+        self._ipc_dir = tempfile.mkdtemp(prefix="pagoda-core-")  # mode 0700: only this user reaches the sockets
+        self._context = zmq.Context()
+        commands_address = f"ipc://{self._ipc_dir}/commands"
+        reports_address = f"ipc://{self._ipc_dir}/reports"
+        self._commands = open_socket(self._context, zmq.PUSH, commands_address, bind=True)
+        self._reports = open_socket(self._context, zmq.PULL, reports_address, bind=True)
+        self._async_reports: zmq.asyncio.Socket | None = None
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(config, commands_address, reports_address, os.getpid()),
+            name="pagoda-engine-core",
+            daemon=True,  # also ended by multiprocessing's exit handler if shutdown() is never called
+        )
+        self.num_commands_sent = 0
+        self.num_commands_applied = 0
+        self.stats: SchedulerStats | None = None
+        # Why the core refused a request, by request id (its output finished with ERROR).
+        self.request_errors: dict[str, str] = {}
+        self.idle_check_answers: dict[int, str | None] = {}
+        self.dead_error: EngineDeadError | None = None
+        self._core_has_work = False
+        self._outputs: list[EngineCoreOutput] = []
+        self._closed = False
+        self.process.start()
+        try:
+            self.num_kv_blocks = self._wait_for_ready(startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- EngineCore's interface ----------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._send(CoreCommand(CommandKind.ADD, request=request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._send(CoreCommand(CommandKind.ABORT, request_ids=list(request_ids)))
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        self._send(CoreCommand(CommandKind.FINISH, request_ids=list(request_ids), status=status))
+
+    def has_work(self) -> bool:
+        """True while the core has not applied every command sent, or reported work left."""
+        return bool(self._outputs) or self.num_commands_applied < self.num_commands_sent or self._core_has_work
+
+    def step(self) -> list[EngineCoreOutput]:
+        """The outputs reported since the last call; waits for a report only when no report
+        has arrived and the core still has work (never, after `wait_for_reports()`)."""
+        if not self._receive(block=False) and not self._outputs and self.has_work():
+            self._receive(block=True)
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless the core holds no request state and its KV pool is whole."""
+        number = self.send_idle_check()
+        while number not in self.idle_check_answers:
+            self._receive(block=True)
+        error = self.idle_check_answers.pop(number)
+        if error is not None:
+            raise AssertionError(error)
+
+    def shutdown(self) -> None:
+        """Stop the core process (politely, then by force) and release the sockets; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.process.is_alive():
+            send(self._commands, CoreCommand(CommandKind.SHUTDOWN))
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._async_reports = None  # a shadow of _reports: closing that one closes both
+        self._commands.close()
+        self._reports.close()
+        self._context.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # ---- for an asyncio owner ------------------------------------------------------------
+
+    async def wait_for_reports(self) -> None:
+        """Return once a report is waiting to be read; raise EngineDeadError if the core dies."""
+        if self._async_reports is None:
+            self._async_reports = zmq.asyncio.Socket.from_socket(self._reports)
+        while not await self._async_reports.poll(LIVENESS_POLL_MS, zmq.POLLIN):
+            self._check_alive()
+
+    def send_idle_check(self) -> int:
+        """Ask the core for its idle check; the answer lands in `idle_check_answers[number]`."""
+        self._send(CoreCommand(CommandKind.CHECK_IDLE))
+        return self.num_commands_sent
+
+    def is_alive(self) -> bool:
+        return self.dead_error is None and not self._closed and self.process.is_alive()
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _send(self, command: CoreCommand) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        send(self._commands, command)
+        self.num_commands_sent += 1
+
+    def _receive(self, block: bool) -> int:
+        """Read every report waiting (with `block`, first wait for one); returns how many."""
+        if block:
+            while not self._reports.poll(LIVENESS_POLL_MS):
+                self._check_alive()
+        count = 0
+        while self._reports.poll(0):
+            self._handle(pickle.loads(self._reports.recv(copy=False)))
+            count += 1
+        return count
+
+    def _handle(self, message: CoreReport | CoreFailed | CoreReady) -> None:
+        if isinstance(message, CoreFailed):
+            self._die(f"the engine core failed:\n{message.error}")
+        assert isinstance(message, CoreReport), f"unexpected message from the engine core: {message!r}"
+        for output in message.outputs:
+            if output.error is not None:
+                self.request_errors[output.req_id] = output.error
+        self._outputs.extend(message.outputs)
+        self.stats = message.stats
+        self.num_commands_applied = message.num_commands_applied
+        self._core_has_work = message.has_work
+        self.idle_check_answers.update(message.idle_checks)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if not self.process.is_alive():
+            self._receive(block=False)  # a CoreFailed sent just before the exit says why
+            self._die(f"the engine core process exited (exit code {self.process.exitcode})")
+
+    def _die(self, reason: str) -> None:
+        logger.error(reason)
+        self.dead_error = EngineDeadError(reason)
+        raise self.dead_error
+
+    def _wait_for_ready(self, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while not self._reports.poll(LIVENESS_POLL_MS):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine core did not start within {timeout_s:.0f} s")
+        message = pickle.loads(self._reports.recv())
+        if isinstance(message, CoreFailed):
+            self._die(f"the engine core failed to start:\n{message.error}")
+        assert isinstance(message, CoreReady), f"unexpected first message from the engine core: {message!r}"
+        return message.num_kv_blocks

@@ -1,0 +1,59 @@
+"""Messages between an `EngineCoreClient` and the engine core process it runs.
+
+Commands go in, reports come out, one PUSH/PULL pipe each way. Commands are numbered by the
+order they were sent (the pipe keeps order), so a report can say how many it has applied and
+the client knows when the core has seen everything it was told.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagoda.outputs import EngineCoreOutput
+from pagoda.scheduler.request import Request, RequestStatus
+from pagoda.scheduler.scheduler import SchedulerStats
+
+
+class CommandKind(enum.Enum):
+    ADD = enum.auto()
+    ABORT = enum.auto()
+    FINISH = enum.auto()  # ended for a reason only the client sees (a stop string)
+    CHECK_IDLE = enum.auto()
+    SHUTDOWN = enum.auto()
+
+
+@dataclass
+class CoreCommand:
+    kind: CommandKind
+    request: Request | None = None
+    request_ids: list[str] = field(default_factory=list)
+    status: RequestStatus | None = None
+
+
+@dataclass
+class CoreReady:
+    """The core built its model and KV cache and is taking commands."""
+
+    num_kv_blocks: int
+
+
+@dataclass
+class CoreReport:
+    """What one turn of the core loop did: the step's outputs (a refused request appears as an
+    output finished with ERROR and the reason), the scheduler's figures after it, how many
+    commands the core has applied in all, and whether it still has work."""
+
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    num_commands_applied: int
+    has_work: bool
+    # Answers to CHECK_IDLE commands, by command number: None when idle, else what is left.
+    idle_checks: dict[int, str | None] = field(default_factory=dict)
+
+
+@dataclass
+class CoreFailed:
+    """The core hit an error it cannot serve through (the traceback); it exits after sending this."""
+
+    error: str

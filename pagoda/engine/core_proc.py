@@ -1,0 +1,135 @@
+"""The engine core in a process of its own: apply commands, step, report — in a busy loop.
+
+The server process does HTTP, tokenization and detokenization; this process does nothing but
+drive `EngineCore`, so none of that work ever holds the GIL the device loop needs.
+
+Transport: ZeroMQ PUSH/PULL over ipc files in a private (0700) directory, messages pickled.
+Both ends are this codebase, and pickle carries `Request` and `SamplingParams` whole as they
+grow new fields, where a msgspec schema would have to mirror each one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import traceback
+from typing import Any
+
+import zmq
+
+from pagoda.config import EngineConfig
+from pagoda.engine.core import EngineCore
+from pagoda.engine.core_messages import CommandKind, CoreCommand, CoreFailed, CoreReady, CoreReport
+from pagoda.outputs import EngineCoreOutput, FinishReason
+
+logger = logging.getLogger(__name__)
+
+# How long an idle core waits for a command before it looks whether its parent still lives.
+IDLE_POLL_MS = 500
+
+
+def send(socket: zmq.Socket, message: Any) -> None:
+    socket.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+
+
+def open_socket(context: zmq.Context, kind: int, address: str, bind: bool, linger_ms: int = 0) -> zmq.Socket:
+    """A pipe end whose queues are unbounded (a send never blocks or drops), keeping unsent
+    messages for `linger_ms` after it is closed."""
+    socket = context.socket(kind)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.LINGER, linger_ms)
+    if bind:
+        socket.bind(address)
+    else:
+        socket.connect(address)
+    return socket
+
+
+class EngineCoreLoop:
+    def __init__(self, core: EngineCore, commands: zmq.Socket, reports: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.commands = commands
+        self.reports = reports
+        self.parent_pid = parent_pid
+        self.num_commands_applied = 0
+
+    def run(self) -> None:
+        """Until SHUTDOWN or the parent's death: apply what arrived, step while there is work,
+        report every turn that did something."""
+        while os.getppid() == self.parent_pid:
+            idle = not self.core.has_work()
+            if not self.commands.poll(IDLE_POLL_MS if idle else 0) and idle:
+                continue
+            outputs: list[EngineCoreOutput] = []
+            idle_check_numbers: list[int] = []
+            while self.commands.poll(0):
+                command: CoreCommand = pickle.loads(self.commands.recv(copy=False))
+                self.num_commands_applied += 1
+                if command.kind is CommandKind.SHUTDOWN:
+                    return
+                if command.kind is CommandKind.CHECK_IDLE:
+                    idle_check_numbers.append(self.num_commands_applied)
+                else:
+                    outputs.extend(self._apply(command))
+            if self.core.has_work():
+                outputs.extend(self.core.step())
+            idle_error = self._idle_error() if idle_check_numbers else None
+            report = CoreReport(
+                outputs=outputs,
+                stats=self.core.scheduler.make_stats(),
+                num_commands_applied=self.num_commands_applied,
+                has_work=self.core.has_work(),
+                idle_checks=dict.fromkeys(idle_check_numbers, idle_error),
+            )
+            send(self.reports, report)
+
+    def _apply(self, command: CoreCommand) -> list[EngineCoreOutput]:
+        if command.kind is CommandKind.ADD:
+            assert command.request is not None
+            try:
+                self.core.add_request(command.request)
+            except ValueError as error:  # the scheduler's own limits: refuse this request, serve the rest
+                return [EngineCoreOutput(command.request.request_id, [], FinishReason.ERROR, error=str(error))]
+        elif command.kind is CommandKind.ABORT:
+            self.core.abort_requests(command.request_ids)
+        elif command.kind is CommandKind.FINISH:
+            assert command.status is not None
+            self.core.finish_requests(command.request_ids, command.status)
+        return []
+
+    def _idle_error(self) -> str | None:
+        if self.core.has_work():
+            return "the engine core still has work"
+        try:
+            self.core.check_idle()
+        except AssertionError as error:
+            return str(error) or "engine core idle check failed"
+        return None
+
+
+def run_engine_core(config: EngineConfig, commands_address: str, reports_address: str, parent_pid: int) -> None:
+    """The core process's entry point (spawned by `EngineCoreClient`)."""
+    # Ctrl-C in a terminal reaches the whole process group; the server decides when this ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    context = zmq.Context()
+    commands = open_socket(context, zmq.PULL, commands_address, bind=False)
+    # Lingers so that a last CoreFailed still reaches the client after the socket closes.
+    reports = open_socket(context, zmq.PUSH, reports_address, bind=False, linger_ms=5000)
+    core = None
+    try:
+        core = EngineCore(config)
+        send(reports, CoreReady(num_kv_blocks=core.scheduler.kv_cache_manager.block_pool.num_usable_blocks))
+        EngineCoreLoop(core, commands, reports, parent_pid).run()
+    except Exception:
+        logger.exception("engine core failed")
+        send(reports, CoreFailed(traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if core is not None:
+            core.shutdown()
+        commands.close()
+        reports.close()
+        context.term()
