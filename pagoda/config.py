@@ -133,6 +133,25 @@ class SchedulerConfig:
 
 
 @dataclass
+class CompilationConfig:
+    """CUDA graphs: captured for uniform decode batches of up to the largest capture size
+    (padded up to the nearest size) when the device is CUDA, the attention backend is Triton
+    and `enforce_eager` is off."""
+
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int = 512
+
+    def __post_init__(self) -> None:
+        if self.cudagraph_capture_sizes is not None and (
+            not self.cudagraph_capture_sizes or min(self.cudagraph_capture_sizes) < 1
+        ):
+            raise ConfigError(f"cudagraph_capture_sizes must be positive integers, got {self.cudagraph_capture_sizes}")
+        if self.max_cudagraph_capture_size < 1:
+            raise ConfigError(f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}")
+
+
+@dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -155,6 +174,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
 
     @classmethod
     def create(cls, **kwargs: Any) -> EngineConfig:
@@ -167,6 +187,7 @@ class EngineConfig:
             "scheduler_config": SchedulerConfig,
             "parallel_config": ParallelConfig,
             "device_config": DeviceConfig,
+            "compilation_config": CompilationConfig,
         }
         split: dict[str, dict[str, Any]] = {name: {} for name in groups}
         # Fields the engine derives (hf_config, the scheduler's copy of max_model_len) are not settable.
@@ -218,6 +239,7 @@ class EngineConfig:
             scheduler_config=scheduler_config,
             parallel_config=ParallelConfig(**split["parallel_config"]),
             device_config=device_config,
+            compilation_config=CompilationConfig(**split["compilation_config"]),
         )
 
 

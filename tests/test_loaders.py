@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import smollm2_gguf_path
-from model_utils import allocate_kv_caches, build_attn_metadata, hf_named_weights, load_hf_from_gguf
+from model_utils import allocate_kv_caches, build_attn_metadata, hf_named_weights
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen3Config
 
 from pagoda.attention.backends import get_attention_backend
+from pagoda.benchmarks.hf_peer import load_hf_from_gguf
 from pagoda.config import ConfigError, ModelConfig
 from pagoda.model.layers.rotary import rope_settings
 from pagoda.model.loader import (

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 from conftest import smollm2_gguf_path
-from model_utils import assert_greedy_match, hf_greedy, load_hf_from_gguf
+from model_utils import assert_greedy_match, hf_greedy
 
 from pagoda import LLM, SamplingParams
+from pagoda.benchmarks.hf_peer import load_hf_from_gguf
 from pagoda.config import ConfigError
 from pagoda.errors import InvalidRequestError
 from pagoda.sampling_params import SamplingParamsError

@@ -1,4 +1,9 @@
-"""Offline throughput: N prompts of random token ids, fixed output length, ignore_eos.
+"""Offline throughput on a fixed workload of random token ids, with ignore_eos.
+
+Workloads: `random` (N prompts of random lengths, one output length, greedy) and
+`nanobench` (256 requests, prompt lengths uniform in [100, 1024] of ids below 10000,
+output lengths uniform in [100, 1024], temperature 0.6, Python `random.seed(0)` drawing
+the prompts first, then the output lengths: 133,966 output tokens).
 
 With `--peer hf` the same prompts run through Hugging Face transformers `generate` (one
 padded batch, greedy, exactly the same number of new tokens) in the same process, so the
@@ -21,29 +26,40 @@ from pagoda.benchmarks.hf_peer import load_hf_model
 @dataclass
 class Workload:
     prompts: list[list[int]]
-    output_len: int
+    output_lens: list[int]
+    temperature: float
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.prompts) * self.output_len
+        return sum(self.output_lens)
 
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    def sampling_params(self) -> list[SamplingParams]:
+        return [SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in self.output_lens]
 
-def make_workload(num_prompts: int, min_prompt_len: int, max_prompt_len: int, output_len: int, seed: int) -> Workload:
+
+def random_workload(num_prompts: int, min_prompt_len: int, max_prompt_len: int, output_len: int, seed: int) -> Workload:
     rng = random.Random(seed)
     prompts = [
         [rng.randrange(100, 10000) for _ in range(rng.randint(min_prompt_len, max_prompt_len))]
         for _ in range(num_prompts)
     ]
-    return Workload(prompts, output_len)
+    return Workload(prompts, [output_len] * num_prompts, temperature=0.0)
+
+
+def nanobench_workload(num_prompts: int = 256) -> Workload:
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_prompts)]
+    output_lens = [rng.randint(100, 1024) for _ in range(num_prompts)]
+    return Workload(prompts, output_lens, temperature=0.6)
 
 
 def run_pagoda(llm: LLM, workload: Workload) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
-    llm.generate(workload.prompts[:2], params, use_tqdm=False)  # warm-up
+    params = workload.sampling_params()
+    llm.generate(workload.prompts[:2], [SamplingParams(max_tokens=16, ignore_eos=True)] * 2, use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -52,6 +68,10 @@ def run_pagoda(llm: LLM, workload: Workload) -> float:
 
 
 def run_hf(model_path: str, load_format: str, workload: Workload, dtype: torch.dtype, device: str) -> float:
+    """HF `generate` on one padded batch: needs one output length for all, and greedy."""
+    output_len = workload.output_lens[0]
+    if set(workload.output_lens) != {output_len} or workload.temperature != 0.0:
+        raise ValueError("the HF generate peer runs the greedy fixed-length workload (--workload random)")
     model = load_hf_model(model_path, load_format, dtype).to(device)
     longest = max(len(p) for p in workload.prompts)
     pad = 0
@@ -59,8 +79,8 @@ def run_hf(model_path: str, load_format: str, workload: Workload, dtype: torch.d
     attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in workload.prompts], device=device)
     kwargs = dict(
         do_sample=False,
-        max_new_tokens=workload.output_len,
-        min_new_tokens=workload.output_len,
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
         pad_token_id=pad,
     )
     with torch.inference_mode():
@@ -72,7 +92,7 @@ def run_hf(model_path: str, load_format: str, workload: Workload, dtype: torch.d
         start = time.perf_counter()
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         elapsed = time.perf_counter() - start
-    assert out.shape[1] - longest == workload.output_len
+    assert out.shape[1] - longest == output_len
     return elapsed
 
 
@@ -82,16 +102,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--workload", choices=["random", "nanobench"], default="random")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default: 32 (random), 256 (nanobench)")
     parser.add_argument("--min-prompt-len", type=int, default=32)
     parser.add_argument("--max-prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--peer", choices=["none", "hf"], default="none")
     args = parser.parse_args(argv)
 
-    workload = make_workload(args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.output_len, args.seed)
-    llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device)
+    if args.workload == "nanobench":
+        workload = nanobench_workload(args.num_prompts or 256)
+    else:
+        workload = random_workload(
+            args.num_prompts or 32, args.min_prompt_len, args.max_prompt_len, args.output_len, args.seed
+        )
+    start = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        enforce_eager=args.enforce_eager,
+    )
+    print(f"pagoda startup (load, profile, graphs): {time.perf_counter() - start:.1f} s", flush=True)
     model_config = llm.llm_engine.config.model_config
     device = llm.llm_engine.config.device_config.device
     rows = [("pagoda", run_pagoda(llm, workload))]

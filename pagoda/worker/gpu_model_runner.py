@@ -7,6 +7,8 @@ too: the device comes from `DeviceConfig`.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,11 +24,13 @@ from pagoda.sample.sampler import Sampler, SamplerOutput
 from pagoda.sampling_params import MAX_LOGPROBS
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
-from pagoda.worker.cuda_graph import CUDAGraphMode
+from pagoda.worker.cuda_graph import CudaGraphManager, CUDAGraphMode, default_capture_sizes
 from pagoda.worker.input_batch import CachedRequestState, InputBatch
 from pagoda.worker.kv_connector.base import KVConnector
 from pagoda.worker.prompt_logprobs import compute_prompt_logprobs, empty_prompt_logprobs, scored_positions
 from pagoda.worker.sampling_batch import OFF
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,9 +105,20 @@ class GPUModelRunner:
         self.seq_lens = buffer(self.max_num_reqs, torch.int32)
         self.logits_indices = buffer(self.max_num_reqs, torch.int64)
         self.sample_rows = buffer(self.max_num_reqs, torch.int64)
+        self.cudagraph_manager = self._make_cudagraph_manager(config, device)
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
     # ---- setup -------------------------------------------------------------------------
+
+    def _make_cudagraph_manager(self, config: EngineConfig, device: torch.device) -> CudaGraphManager | None:
+        """Graphs need CUDA and a backend that reads its metadata only from device buffers."""
+        compilation = config.compilation_config
+        if device.type != "cuda" or compilation.enforce_eager or config.device_config.attention_backend != "triton":
+            return None
+        limit = min(compilation.max_cudagraph_capture_size, self.max_num_reqs, self.max_num_tokens)
+        sizes = compilation.cudagraph_capture_sizes or default_capture_sizes(limit)
+        sizes = [size for size in sizes if size <= limit]
+        return CudaGraphManager(sizes) if sizes else None
 
     def load_model(self) -> None:
         from pagoda.model.loader import get_model
@@ -121,6 +136,52 @@ class GPUModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model_config.num_layers)
         ]
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """Capture one graph per size, largest first, on a dummy decode batch of that size.
+
+        The dummy batch reads one KV slot per row (the null block) and writes none; replays
+        later read the real step's values from the same static buffers.
+        """
+        if self.cudagraph_manager is None:
+            return
+        assert self.model is not None
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info()[0]
+        block_table = self.input_batch.block_table.block_table
+        for size in reversed(self.cudagraph_manager.capture_sizes):
+            self.input_ids.np[:size] = 0
+            self.positions.np[:size] = 0
+            self.slot_mapping.np[:size] = -1
+            self.query_start_loc.np[: size + 1] = self._arange[: size + 1]
+            self.seq_lens.np[:size] = 1
+            metadata = AttentionMetadata(
+                num_reqs=size,
+                num_actual_tokens=size,
+                max_query_len=1,
+                max_seq_len=1,
+                block_size=self.block_size,
+                query_start_loc=self.query_start_loc.copy_to_gpu(size + 1),
+                seq_lens=self.seq_lens.copy_to_gpu(size),
+                block_table=block_table[:size],
+                slot_mapping=self.slot_mapping.copy_to_gpu(size),
+                query_start_loc_cpu=self.query_start_loc.cpu[: size + 1],
+                seq_lens_cpu=self.seq_lens.cpu[:size],
+            )
+            input_ids, positions = self.input_ids.copy_to_gpu(size), self.positions.copy_to_gpu(size)
+            self.cudagraph_manager.capture(
+                size, lambda ids=input_ids, pos=positions, md=metadata: self.model(ids, pos, self.kv_caches, md)
+            )
+        torch.cuda.synchronize()
+        logger.info(
+            "captured %d CUDA graphs (sizes %d-%d) in %.1f s, using %.2f GiB",
+            len(self.cudagraph_manager.capture_sizes),
+            self.cudagraph_manager.capture_sizes[0],
+            self.cudagraph_manager.max_size,
+            time.perf_counter() - start,
+            (free_before - torch.cuda.mem_get_info()[0]) / 2**30,
+        )
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -251,8 +312,12 @@ class GPUModelRunner:
         # Phase 6 (spec decode) has no callback to return until speculative decoding lands.
         return None
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> PreparedInputs:
-        """Input ids, positions and attention metadata for this step, vectorized in NumPy."""
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput, num_input_tokens: int) -> PreparedInputs:
+        """Input ids, positions and attention metadata for this step, vectorized in NumPy.
+
+        Tokens past the scheduled ones, up to `num_input_tokens` (a CUDA graph's size), are
+        padding: id 0, position 0, slot -1 (writes nowhere), each in a request row of length 0.
+        """
         batch = self.input_batch
         num_reqs = batch.num_reqs
         num_scheduled = np.fromiter(
@@ -269,16 +334,19 @@ class GPUModelRunner:
         self.input_ids.np[:total] = batch.token_ids_cpu[req_indices, positions]
         block_ids = batch.block_table.block_table_np[req_indices, positions // self.block_size]
         self.slot_mapping.np[:total] = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+        self.input_ids.np[total:num_input_tokens] = 0
+        self.positions.np[total:num_input_tokens] = 0
+        self.slot_mapping.np[total:num_input_tokens] = -1
 
         seq_lens = num_computed + num_scheduled
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
         num_sampled = len(sample_rows)
         self.logits_indices.np[:num_sampled] = cu_num_tokens[sample_rows] - 1
 
-        attn_metadata = self._build_attention_metadata(num_reqs, total, num_scheduled, cu_num_tokens, seq_lens)
+        attn_metadata = self._build_attention_metadata(num_input_tokens, num_scheduled, cu_num_tokens, seq_lens)
         return PreparedInputs(
-            input_ids=self.input_ids.copy_to_gpu(total),
-            positions=self.positions.copy_to_gpu(total),
+            input_ids=self.input_ids.copy_to_gpu(num_input_tokens),
+            positions=self.positions.copy_to_gpu(num_input_tokens),
             attn_metadata=attn_metadata,
             num_scheduled_tokens=total,
             logits_indices=self.logits_indices.copy_to_gpu(num_sampled),
@@ -286,36 +354,50 @@ class GPUModelRunner:
         )
 
     def _build_attention_metadata(
-        self,
-        num_reqs: int,
-        num_tokens: int,
-        num_scheduled: np.ndarray,
-        cu_num_tokens: np.ndarray,
-        seq_lens: np.ndarray,
+        self, num_input_tokens: int, num_scheduled: np.ndarray, cu_num_tokens: np.ndarray, seq_lens: np.ndarray
     ) -> AttentionMetadata:
-        """Block table, slot mapping, query start offsets and sequence lengths (one KV group)."""
+        """Block table, slot mapping, query start offsets and sequence lengths (one KV group).
+
+        When the batch is padded to a graph size, so are the request rows: one row per padded
+        token slot, each of length 0, since a graph's launch grids are fixed at capture.
+        """
+        num_reqs = len(num_scheduled)
+        num_total = int(cu_num_tokens[-1])
+        num_rows = num_input_tokens if num_input_tokens > num_total else num_reqs
         self.query_start_loc.np[0] = 0
         self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
+        self.query_start_loc.np[num_reqs + 1 : num_rows + 1] = num_total
         self.seq_lens.np[:num_reqs] = seq_lens
+        self.seq_lens.np[num_reqs:num_rows] = 0
         return AttentionMetadata(
-            num_reqs=num_reqs,
-            num_actual_tokens=num_tokens,
+            num_reqs=num_rows,
+            num_actual_tokens=num_total,
             max_query_len=int(num_scheduled.max()),
             max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
-            query_start_loc=self.query_start_loc.copy_to_gpu(num_reqs + 1),
-            seq_lens=self.seq_lens.copy_to_gpu(num_reqs),
-            block_table=self.input_batch.block_table.commit(num_reqs),
-            slot_mapping=self.slot_mapping.copy_to_gpu(num_tokens),
-            query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
-            seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
+            query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
+            seq_lens=self.seq_lens.copy_to_gpu(num_rows),
+            block_table=self.input_batch.block_table.commit(num_rows),
+            slot_mapping=self.slot_mapping.copy_to_gpu(num_input_tokens),
+            query_start_loc_cpu=self.query_start_loc.cpu[: num_rows + 1],
+            seq_lens_cpu=self.seq_lens.cpu[:num_rows],
         )
 
     def _determine_batch_execution_and_padding(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[bool, CUDAGraphMode, int]:
-        """(use micro-batches, graph mode, padded token count). Eager and unpadded for now."""
-        return False, CUDAGraphMode.NONE, scheduler_output.total_num_scheduled_tokens
+        """(use micro-batches, graph mode, padded token count).
+
+        A uniform decode batch (one token per request) replays the graph of the nearest
+        captured size above it; everything else runs eagerly, unpadded.
+        """
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        uniform_decode = num_tokens == len(scheduler_output.num_scheduled_tokens)
+        if self.cudagraph_manager is not None and uniform_decode:
+            size = self.cudagraph_manager.padded_size(num_tokens)
+            if size is not None:
+                return False, CUDAGraphMode.FULL, size
+        return False, CUDAGraphMode.NONE, num_tokens
 
     def _model_forward(self, inputs: PreparedInputs) -> torch.Tensor:
         assert self.model is not None
@@ -416,11 +498,15 @@ class GPUModelRunner:
         post_model_execute_cb = self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
-        inputs = self._prepare_inputs(scheduler_output)
+        # Padding is decided first, so the inputs are written straight at the graph's size.
+        _, cudagraph_mode, num_input_tokens = self._determine_batch_execution_and_padding(scheduler_output)
+        inputs = self._prepare_inputs(scheduler_output, num_input_tokens)
         self.kv_connector.pre_forward(scheduler_output)
-        _, cudagraph_mode, _ = self._determine_batch_execution_and_padding(scheduler_output)
-        assert cudagraph_mode == CUDAGraphMode.NONE
-        hidden_states = self._model_forward(inputs)
+        if cudagraph_mode == CUDAGraphMode.FULL:
+            assert self.cudagraph_manager is not None
+            hidden_states = self.cudagraph_manager.replay(num_input_tokens)
+        else:
+            hidden_states = self._model_forward(inputs)
         self.kv_connector.post_forward(scheduler_output, hidden_states)
         sampler_output = self._sample(hidden_states, inputs)
         output = self._bookkeeping_sync(inputs, sampler_output)

@@ -54,6 +54,9 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+            # Tiny activations (random dummy weights, long residual chains) turn denormal and make
+            # CPU matmuls crawl; flushing them to zero changes no result that matters.
+            torch.set_flush_denormal(True)
         init_parallel_state(tp_rank=self.rank, tp_size=self.parallel_config.tensor_parallel_size)
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = GPUModelRunner(self.config, self.device)
@@ -97,6 +100,11 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(num_blocks)
+
+    def compile_or_warm_up_model(self) -> None:
+        """Capture CUDA graphs once the KV cache exists (they read its addresses)."""
+        assert self.model_runner is not None
+        self.model_runner.capture_model()
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, intermediate_tensors: object | None = None

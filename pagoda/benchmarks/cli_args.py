@@ -1,0 +1,66 @@
+"""`pagoda bench serve` (an OpenAI-compatible server over HTTP) and `pagoda bench offline` (the
+same workload through the engine in-process), registered without importing either."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--num-prompts", type=int, default=64)
+    group.add_argument("--input-len", type=int, default=128, help="prompt length (words or token ids)")
+    group.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")
+    group.add_argument(
+        "--range-ratio", type=float, default=0.0, help="lengths drawn from [len*(1-r), len*(1+r)]; 0 = fixed"
+    )
+    group.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)"
+    )
+    group.add_argument(
+        "--prompt-format",
+        choices=["text", "token-ids"],
+        default="text",
+        help="random words, or random token ids for models without a tokenizer",
+    )
+    group.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--result-json", default=None, help="also write the figures to this file")
+
+
+def add_bench_parser(
+    commands: argparse._SubParsersAction,
+    add_engine_args: Callable[[argparse.ArgumentParser], None],
+    engine_kwargs: Callable[[argparse.Namespace], dict[str, Any]],
+) -> None:
+    bench = commands.add_parser("bench", help="measure serving latency and throughput")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    serve = kinds.add_parser("serve", help="load an OpenAI-compatible server with streaming completions")
+    serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    serve.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    serve.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    add_workload_args(serve)
+
+    def run_serve_bench(args: argparse.Namespace) -> int:
+        from pagoda.benchmarks.serve import main
+
+        return main(args)
+
+    serve.set_defaults(func=run_serve_bench)
+
+    offline = kinds.add_parser("offline", help="the same workload through the engine in this process")
+    add_workload_args(offline)
+    add_engine_args(offline)
+
+    def run_offline_bench(args: argparse.Namespace) -> int:
+        from pagoda.benchmarks.offline import main
+
+        return main(args, engine_kwargs(args))
+
+    offline.set_defaults(func=run_offline_bench)
