@@ -13,6 +13,7 @@ two figures come from the same machine and moment.
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -109,8 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--peer", choices=["none", "hf"], default="none")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
     if args.workload == "nanobench":
         workload = nanobench_workload(args.num_prompts or 256)
