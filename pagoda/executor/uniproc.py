@@ -41,11 +41,13 @@ class UniProcExecutor(Executor):
                 f"({max_model_len}); lower max_model_len or give the cache more memory"
             )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB each), %d tokens in all",
+            "KV cache: %d blocks of %d tokens (%.1f MiB each), %d tokens in all: %.1f requests of max_model_len %d",
             num_blocks,
             block_size,
             block_bytes / 2**20,
             (num_blocks - 1) * block_size,
+            (num_blocks - 1) * block_size / max_model_len,
+            max_model_len,
         )
         return num_blocks
 

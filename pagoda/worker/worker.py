@@ -77,6 +77,7 @@ class Worker:
             return int(self.cache_config.cpu_kv_cache_gib * GiB)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        weights = torch.cuda.memory_allocated()  # the model and the runner's static buffers
         self.model_runner.profile_run()
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
@@ -84,9 +85,12 @@ class Worker:
         non_torch = (total - free) - torch.cuda.memory_reserved()
         available = int(total * self.cache_config.gpu_memory_utilization - peak - non_torch)
         logger.info(
-            "memory: total %.2f GiB, profile peak (weights + activations) %.2f GiB, non-torch %.2f GiB, KV cache %.2f GiB",
+            "memory: total %.2f GiB x utilization %.2f; weights %.2f GiB, peak activations %.2f GiB, "
+            "non-torch %.2f GiB; KV cache gets %.2f GiB (CUDA graphs come out of the remaining headroom)",
             total / GiB,
-            peak / GiB,
+            self.cache_config.gpu_memory_utilization,
+            weights / GiB,
+            (peak - weights) / GiB,
             non_torch / GiB,
             available / GiB,
         )
