@@ -8,6 +8,11 @@ import os
 import pytest
 import torch
 
+# Without CUDA, Triton kernels run in Triton's interpreter. The switch is read when a kernel is
+# first decorated, so it must be set here, before any test module imports pagoda's kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
