@@ -106,6 +106,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    # Zero KV blocks whose contents died (freed uncached, or evicted from the prefix cache), so
+    # no request can ever read another's stale keys and values, at the cost of one write per block.
+    zero_freed_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -125,3 +125,22 @@ def test_same_prompt_twice_hits_the_prefix_cache_and_matches(tiny_model, target)
     check_against_reference(llm, [prompt], references)  # whole prompt cached: last token recomputed
     stats = llm.llm_engine.engine_core.scheduler.make_stats()
     assert stats.prefix_cache_hits >= (len(prompt) - 1) // 4 * 4
+
+
+@pytest.mark.parametrize("zero_freed_blocks", [True, False])
+def test_kv_block_zeroer_clears_dead_blocks(tiny_model, zero_freed_blocks: bool) -> None:
+    path, hf_model = tiny_model
+    prompts = make_prompts(seed=3, count=4)
+    llm = LLM(
+        model=path,
+        device="cpu",
+        dtype="float32",
+        max_model_len=128,
+        num_gpu_blocks=64,
+        enable_prefix_caching=False,  # every freed block is dead at once
+        zero_freed_blocks=zero_freed_blocks,
+    )
+    check_against_reference(llm, prompts, reference(hf_model, prompts))
+    kv_caches = llm.llm_engine.engine_core.executor.worker.model_runner.kv_caches
+    nonzero = sum(int(cache.count_nonzero()) for cache in kv_caches)
+    assert (nonzero == 0) == zero_freed_blocks

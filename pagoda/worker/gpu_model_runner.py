@@ -261,6 +261,8 @@ class GPUModelRunner:
             batch.remove_request(req_id)
         for req_id in scheduler_output.preempted_req_ids:
             batch.remove_request(req_id)
+        if self.cache_config.zero_freed_blocks and scheduler_output.freed_block_ids:
+            self._zero_block_ids(scheduler_output.freed_block_ids)
         # Requests not scheduled this step leave the batch too (their state stays), so the
         # batch holds exactly the rows of this step's forward.
         scheduled = scheduler_output.num_scheduled_tokens
@@ -311,6 +313,12 @@ class GPUModelRunner:
         batch.condense()
         # Phase 6 (spec decode) has no callback to return until speculative decoding lands.
         return None
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        """The seed's KV block zeroer: one indexed write per layer, K and V together."""
+        index = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        for kv_cache in self.kv_caches:
+            kv_cache.index_fill_(1, index, 0)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput, num_input_tokens: int) -> PreparedInputs:
         """Input ids, positions and attention metadata for this step, vectorized in NumPy.
