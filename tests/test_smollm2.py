@@ -224,3 +224,15 @@ def test_cli_reports_bad_flags_without_a_traceback(capsys) -> None:
 
     assert main(["generate", "hi", "--temperature", "-1", "--max-model-len", "512"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_bad_words_and_decoded_logprob_tokens(llm: LLM) -> None:
+    prompt = "The capital of Italy is"
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)[0]
+    first = plain.outputs[0].logprobs[0]
+    assert "Rome" in plain.outputs[0].text
+    assert first[plain.outputs[0].token_ids[0]].decoded_token == " Rome"
+    assert {logprob.rank for logprob in first.values()} == {1, 2}
+    banned = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, bad_words=["Rome"]), use_tqdm=False)[0]
+    assert "Rome" not in banned.outputs[0].text
+    llm.llm_engine.check_idle()

@@ -131,22 +131,27 @@ class OutputProcessor:
         return released
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Finish these requests (parents with all their children) as aborted; returns their final outputs."""
+        """Finish these requests (a parent with all its samples) as aborted; returns their final outputs.
+
+        Aborting one sample of a parent finishes that sample only; the parent's output comes
+        when its last sample ends.
+        """
         outputs = []
         now = time.monotonic()
         for request_id in request_ids:
-            parent = self.parent_requests.pop(request_id, None)
-            if parent is not None:
-                self._released = [r for r in self._released if r.request_id not in parent.child_ids]
-                for child_id in parent.child_ids:
-                    state = self.request_states.pop(child_id, None)
-                    if state is not None:
-                        parent.record(state.index, state.to_completion(FinishReason.ABORT, None), None, now)
-                outputs.append(parent.to_output())
-                continue
-            state = self.request_states.pop(request_id, None)
-            if state is not None:
-                outputs.append(state.to_output(FinishReason.ABORT, None))
+            for core_id in self.core_request_ids([request_id]):
+                state = self.request_states.pop(core_id, None)
+                if state is None:
+                    continue
+                self._released = [r for r in self._released if r.request_id != core_id]
+                completion = state.to_completion(FinishReason.ABORT, None)
+                if state.parent is None:
+                    outputs.append(state.to_output(FinishReason.ABORT, None))
+                    continue
+                state.parent.record(state.index, completion, None, now)
+                if state.parent.finished:
+                    outputs.append(state.parent.to_output())
+                    del self.parent_requests[state.parent.request_id]
         return outputs
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:

@@ -80,6 +80,8 @@ class ParentRequest:
             self.prompt_logprobs = prompt_logprobs
         if completion.token_ids and self.first_token_time is None:
             self.first_token_time = now
+        if completion.finished:  # ended before it joined the core (aborted): it never will
+            self._waiting = [child for child in self._waiting if child.request_id != self.child_id(index)]
         released: list[Request] = []
         if index == 0 and (completion.token_ids or completion.finished):
             released, self._waiting = self._waiting, []

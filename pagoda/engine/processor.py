@@ -54,6 +54,10 @@ class Processor:
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         if params.bad_words:
             params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
+        for sequence in params.bad_words_token_ids:
+            if not sequence:
+                raise InvalidRequestError("bad_words", "bad_words must not contain a word with no tokens")
+            self._check_token_ids("bad_words", sequence)
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -73,8 +77,6 @@ class Processor:
             sequences.append(plain)
             if len(spaced) == len(plain) and spaced != plain:
                 sequences.append(spaced)
-        for sequence in sequences:
-            self._check_token_ids("bad_words", sequence)
         return sequences
 
     def _check_token_ids(self, field: str, token_ids: list[int]) -> None:

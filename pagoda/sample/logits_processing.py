@@ -23,7 +23,8 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
         apply_allowed_token_ids(processed, metadata.allowed_rows, metadata.allowed_token_ids)
     if metadata.banned_token_ids is not None:
         banned = metadata.banned_token_ids
-        processed.index_put_((banned.rows, banned.token_ids), torch.tensor(float("-inf"), device=processed.device))
+        minus_inf = torch.full(banned.rows.shape, float("-inf"), device=processed.device)
+        processed.index_put_((banned.rows, banned.token_ids), minus_inf)
     if metadata.logit_bias is not None:
         bias = metadata.logit_bias
         assert bias.values is not None
@@ -48,13 +49,13 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyMetadata) -> None:
     (count > 0), with counts over the output only.
     """
     counts = penalties.output_token_counts
+    generated = counts > 0
     if penalties.repetition_penalty is not None:
         assert penalties.prompt_token_mask is not None
-        seen = (counts > 0).logical_or_(penalties.prompt_token_mask)
         penalty = penalties.repetition_penalty[:, None]
         penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
-        torch.where(seen, penalized, logits, out=logits)
+        torch.where(generated.logical_or(penalties.prompt_token_mask), penalized, logits, out=logits)
     if penalties.frequency_penalty is not None:
         logits.sub_(counts * penalties.frequency_penalty[:, None])
     if penalties.presence_penalty is not None:
-        logits.sub_((counts > 0) * penalties.presence_penalty[:, None])
+        logits.sub_(generated * penalties.presence_penalty[:, None])

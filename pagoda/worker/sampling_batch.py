@@ -13,6 +13,8 @@ None for every setting no sampled row uses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -109,10 +111,8 @@ class SamplingBatch:
         self.num_logprobs[row] = OFF if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[row] = params.prompt_logprobs if wants_prompt_logprobs else OFF
         self.uses_penalties[row] = params.uses_penalties
-        bias = params.logit_bias or None
-        self.logit_bias.set_row(
-            row, None if bias is None else list(bias), None if bias is None else list(bias.values())
-        )
+        bias = params.logit_bias or {}
+        self.logit_bias.set_row(row, list(bias) or None, list(bias.values()) or None)
         self.allowed_token_ids.set_row(row, params.allowed_token_ids)
         hidden_stops = sorted(params.all_stop_token_ids) if params.min_tokens > 0 else []
         self.min_tokens_stop_ids.set_row(row, hidden_stops or None)
@@ -264,7 +264,9 @@ class SamplingBatch:
             token_ids=torch.from_numpy(np.concatenate(banned_ids)).to(self.device, non_blocking=True),
         )
 
-    def _penalties(self, sample_rows: np.ndarray, rows_of) -> PenaltyMetadata | None:
+    def _penalties(
+        self, sample_rows: np.ndarray, rows_of: Callable[[torch.Tensor], torch.Tensor]
+    ) -> PenaltyMetadata | None:
         if not self.uses_penalties[sample_rows].any():
             return None
         assert self.output_token_counts is not None and self.prompt_token_mask is not None

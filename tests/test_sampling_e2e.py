@@ -1,0 +1,327 @@
+"""Sampling settings and logprobs end to end through `LLM.generate`, on a tiny random checkpoint.
+
+Against Hugging Face transformers on the same weights (float32 on our side, float64 in the
+reference): logprobs and prompt logprobs (also across chunked-prefill chunks and next to a
+warm prefix cache) match log_softmax of HF's logits within LOGPROB_TOL, with 1-based
+vocabulary ranks; greedy tokens under penalties, logit bias, allowed tokens and min_tokens
+match a reference loop that applies their definitions to HF's logits (compared up to the
+first step whose margin is below MIN_MARGIN). A batch mixing every kind of request gives
+each the tokens it gets alone, in any order. n > 1 shares the prompt's KV blocks. Every
+test ends with the engine's idle check. The HF comparisons also run on CUDA with `pytest -m gpu`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from model_utils import assert_greedy_match, save_tiny_checkpoint
+from sampling_utils import reference_processed_logits
+
+from pagoda import LLM, SamplingParams
+from pagoda.errors import InvalidRequestError
+from pagoda.outputs import Logprob, RequestOutput
+
+# float32 engine vs float64 reference on logits of magnitude ~10: errors ~1e-5.
+LOGPROB_TOL = 1e-4
+MIN_MARGIN = 1e-3
+NEW_TOKENS = 10
+ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "num_gpu_blocks": 256}
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """For the comparisons with HF: the CPU here, and CUDA (Triton attention) with `pytest -m gpu`."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> tuple[str, torch.nn.Module]:
+    path = str(tmp_path_factory.mktemp("qwen2"))
+    return path, save_tiny_checkpoint("qwen2", path)
+
+
+def make_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 256) for _ in range(length)] for length in lengths]
+
+
+def generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[RequestOutput]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    llm.llm_engine.check_idle()
+    return outputs
+
+
+@torch.inference_mode()
+def hf_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """[len - 1, V] float64: row i is log_softmax of the logits that predict token i + 1."""
+    logits = model(input_ids=torch.tensor([token_ids])).logits[0, :-1].double()
+    return logits.log_softmax(dim=-1)
+
+
+def check_logprobs_entry(entry: dict[int, Logprob], chosen: int, reference: torch.Tensor, num_top: int) -> None:
+    """The chosen token and the top `num_top` are there, with HF's values and ranks (ties within tolerance)."""
+    assert chosen in entry and len(entry) in (num_top, num_top + 1)
+    ordered = reference.sort(descending=True).values
+    for token_id, logprob in entry.items():
+        assert abs(logprob.logprob - reference[token_id].item()) < LOGPROB_TOL, (token_id, logprob)
+        assert abs(ordered[logprob.rank - 1].item() - reference[token_id].item()) < LOGPROB_TOL, (token_id, logprob)
+    assert {logprob.rank for logprob in entry.values()} >= set(range(1, num_top + 1))
+
+
+LOGPROB_VARIANTS = {"default": {}, "chunked-prefill-8": {"max_num_batched_tokens": 8, "max_num_seqs": 4}}
+
+
+@pytest.mark.parametrize("variant", sorted(LOGPROB_VARIANTS))
+def test_logprobs_and_prompt_logprobs_match_hf(tiny_model, device: str, variant: str) -> None:
+    path, hf_model = tiny_model
+    llm = LLM(model=path, **{**ENGINE, "device": device, **LOGPROB_VARIANTS[variant]})
+    prompts = make_prompts(1, [1, 6, 23, 37])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5, prompt_logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=NEW_TOKENS, logprobs=0, prompt_logprobs=0, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=8, seed=4, max_tokens=NEW_TOKENS, logprobs=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, prompt_logprobs=20, ignore_eos=True),
+    ]
+    for prompt, p, output in zip(prompts, params, generate(llm, prompts, params), strict=True):
+        completion = output.outputs[0]
+        reference = hf_logprobs(hf_model, prompt + completion.token_ids)
+        if p.prompt_logprobs is None:
+            assert output.prompt_logprobs is None
+        else:
+            assert len(output.prompt_logprobs) == len(prompt) and output.prompt_logprobs[0] is None
+            for position in range(1, len(prompt)):
+                entry = output.prompt_logprobs[position]
+                check_logprobs_entry(entry, prompt[position], reference[position - 1], p.prompt_logprobs)
+        if p.logprobs is None:
+            assert completion.logprobs is None
+        else:
+            assert len(completion.logprobs) == NEW_TOKENS
+            for step, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+                check_logprobs_entry(entry, token_id, reference[len(prompt) - 1 + step], p.logprobs)
+
+
+def test_prompt_logprobs_are_complete_next_to_a_warm_prefix_cache(tiny_model) -> None:
+    path, hf_model = tiny_model
+    llm = LLM(model=path, **ENGINE, block_size=4)
+    prompt = make_prompts(2, [30])
+    plain = SamplingParams(temperature=0.0, max_tokens=2)
+    generate(llm, prompt, plain)
+    (output,) = generate(llm, prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))
+    reference = hf_logprobs(hf_model, prompt[0])
+    for position in range(1, len(prompt[0])):
+        check_logprobs_entry(output.prompt_logprobs[position], prompt[0][position], reference[position - 1], 1)
+    # The prompt was cached by the first request; a request without prompt logprobs still hits it.
+    hits_before = llm.llm_engine.engine_core.scheduler.make_stats().prefix_cache_hits
+    generate(llm, prompt, plain)
+    assert llm.llm_engine.engine_core.scheduler.make_stats().prefix_cache_hits >= hits_before + 28
+
+
+def test_processed_logprobs_are_the_distribution_sampled_from(tiny_model) -> None:
+    path, hf_model = tiny_model
+    llm = LLM(model=path, **ENGINE, logprobs_mode="processed_logprobs")
+    prompt = make_prompts(3, [12])
+    params = SamplingParams(temperature=0.5, top_k=3, seed=9, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True)
+    (output,) = generate(llm, prompt, params)
+    completion = output.outputs[0]
+    logits = hf_logprobs(hf_model, prompt[0] + completion.token_ids)  # log_softmax keeps the logits' order
+    for step, entry in enumerate(completion.logprobs):
+        row = logits[len(prompt[0]) - 1 + step] / 0.5
+        top3 = row.topk(3)
+        expected = (top3.values - top3.values.logsumexp(dim=0)).tolist()
+        by_rank = {logprob.rank: logprob.logprob for logprob in entry.values()}
+        assert [by_rank[rank] for rank in (1, 2, 3)] == pytest.approx(expected, abs=LOGPROB_TOL)
+        assert by_rank[4] == by_rank[5] == -math.inf
+        assert completion.token_ids[step] in top3.indices.tolist()
+
+
+@torch.inference_mode()
+def reference_greedy(
+    model: torch.nn.Module, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens with the settings applied to HF's logits by their definitions, and each step's margin."""
+    output: list[int] = []
+    margins: list[float] = []
+    for _ in range(params.max_tokens):
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0, -1]
+        processed = reference_processed_logits(logits, prompt, output, params)
+        top2 = processed.topk(2)
+        margins.append(float(top2.values[0] - top2.values[1]))
+        output.append(int(top2.indices[0]))
+    return output, margins
+
+
+PROCESSED_SETTINGS = [
+    dict(presence_penalty=1.5, frequency_penalty=0.7),
+    dict(presence_penalty=-1.0, frequency_penalty=-0.5),
+    dict(repetition_penalty=1.8),
+    dict(repetition_penalty=0.6),
+    dict(logit_bias={17: 6.0, 42: -100.0, 99: 3.5}),
+    dict(allowed_token_ids=[3, 17, 42, 99, 120, 200, 201, 255]),
+    dict(frequency_penalty=2.0, repetition_penalty=1.3, logit_bias={5: 4.0}, allowed_token_ids=list(range(0, 256, 3))),
+    dict(),
+]
+PENALTY_VARIANTS = {
+    "default": {},
+    "chunked-prefill-8": {"max_num_batched_tokens": 8, "max_num_seqs": 8},
+    "tiny-kv-pool-preempts": {"num_gpu_blocks": 24, "block_size": 4},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(PENALTY_VARIANTS))
+def test_greedy_under_penalties_bias_and_allowed_tokens_matches_the_reference(
+    tiny_model, device: str, variant: str
+) -> None:
+    path, hf_model = tiny_model
+    llm = LLM(model=path, **{**ENGINE, "device": device, **PENALTY_VARIANTS[variant]})
+    prompts = make_prompts(4, [9, 14, 20, 5, 31, 11, 17, 26])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **settings)
+        for settings in PROCESSED_SETTINGS
+    ]
+    compared = 0
+    for prompt, p, output in zip(prompts, params, generate(llm, prompts, params), strict=True):
+        tokens, margins = reference_greedy(hf_model, prompt, p)
+        compared += assert_greedy_match(output.outputs[0].token_ids, tokens, margins, MIN_MARGIN)
+        if p.allowed_token_ids is not None:
+            assert set(output.outputs[0].token_ids) <= set(p.allowed_token_ids)
+    assert compared >= len(prompts) * NEW_TOKENS // 2, "too few confident steps: the test checks nothing"
+    if variant == "tiny-kv-pool-preempts":
+        assert llm.llm_engine.engine_core.scheduler.make_stats().num_preemptions > 0
+
+
+def test_min_tokens_hides_stop_tokens_until_reached(tiny_model) -> None:
+    path, hf_model = tiny_model
+    llm = LLM(model=path, **ENGINE)
+    prompt = make_prompts(5, [10])
+    (plain,) = generate(llm, prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    stop = plain.outputs[0].token_ids[0]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=[stop], min_tokens=4)
+    (output,) = generate(llm, prompt, params)
+    tokens, margins = reference_greedy(hf_model, prompt[0], SamplingParams(**{**vars(params), "max_tokens": 4}))
+    assert_greedy_match(output.outputs[0].token_ids[:4], tokens, margins, MIN_MARGIN)
+    assert stop not in output.outputs[0].token_ids[:4]
+
+
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, logprobs=3, prompt_logprobs=2),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+    SamplingParams(temperature=1.2, top_k=5, seed=2, presence_penalty=1.0, logprobs=2),
+    SamplingParams(temperature=1.0, min_p=0.05, seed=3, repetition_penalty=1.3, frequency_penalty=0.5),
+    SamplingParams(temperature=0.7, seed=4, logit_bias={7: 2.0, 8: -3.0}, allowed_token_ids=list(range(64))),
+    SamplingParams(temperature=1.0, seed=5, n=3, logprobs=1),
+    SamplingParams(temperature=0.0, frequency_penalty=1.0, min_tokens=3, stop_token_ids=[11]),
+]
+
+
+def outcome(output: RequestOutput) -> list[tuple[list[int], list[list[tuple[int, float]]] | None]]:
+    return [
+        (c.token_ids, None if c.logprobs is None else [[(t, lp.logprob) for t, lp in e.items()] for e in c.logprobs])
+        for c in output.outputs
+    ]
+
+
+def assert_same_outcome(a: RequestOutput, b: RequestOutput) -> None:
+    for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(outcome(a), outcome(b), strict=True):
+        assert tokens_a == tokens_b
+        if logprobs_a is not None:
+            for entry_a, entry_b in zip(logprobs_a, logprobs_b, strict=True):
+                assert [t for t, _ in entry_a] == [t for t, _ in entry_b]
+                assert [v for _, v in entry_a] == pytest.approx([v for _, v in entry_b], abs=LOGPROB_TOL)
+
+
+def test_mixed_batch_gives_each_request_its_result_alone_in_any_order(tiny_model) -> None:
+    path, _ = tiny_model
+    # No prefix cache: the runs differ only in what else is in the batch.
+    llm = LLM(model=path, **ENGINE, enable_prefix_caching=False)
+    prompts = make_prompts(6, [7, 19, 3, 25, 12, 30, 9, 16])
+    params = [SamplingParams(**{**vars(p), "max_tokens": NEW_TOKENS, "ignore_eos": p.min_tokens == 0}) for p in MIXED]
+    batch = generate(llm, prompts, params)
+    backwards = generate(llm, prompts[::-1], params[::-1])[::-1]
+    alone = [generate(llm, [prompt], p)[0] for prompt, p in zip(prompts, params, strict=True)]
+    for one, other, single in zip(batch, backwards, alone, strict=True):
+        assert_same_outcome(one, single)
+        assert_same_outcome(other, single)
+    random_rows = [outcome(o)[0][0] for o, p in zip(batch, params, strict=True) if not p.greedy]
+    assert len({tuple(tokens) for tokens in random_rows}) == len(random_rows)
+
+
+def test_parallel_samples_share_the_prompt_blocks(tiny_model) -> None:
+    path, _ = tiny_model
+    llm = LLM(model=path, **ENGINE, block_size=4)
+    engine = llm.llm_engine
+    prompt = make_prompts(7, [30])[0]
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
+    request_id = engine.add_request(prompt, params)
+    scheduler = engine.engine_core.scheduler
+    shared_checked = False
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            final = output if output.finished else final
+        children = [scheduler.requests.get(f"{i}_{request_id}") for i in range(4)]
+        block_ids = [scheduler.kv_cache_manager.get_block_ids(child) if child else [] for child in children]
+        if all(len(ids) >= 7 for ids in block_ids) and not shared_checked:
+            assert all(ids[:7] == block_ids[0][:7] for ids in block_ids), "the 7 full prompt blocks are shared"
+            shared_checked = True
+    engine.check_idle()
+    assert shared_checked
+    assert final is not None and final.request_id == request_id
+    assert [c.index for c in final.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == NEW_TOKENS and c.finish_reason == "length" for c in final.outputs)
+    assert len({tuple(c.token_ids) for c in final.outputs}) == 4, "random samples differ"
+    assert scheduler.make_stats().prefix_cache_hits >= 3 * 28
+    (again,) = generate(llm, [prompt], params)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in final.outputs], "seeded: reproducible"
+    (single,) = generate(llm, [prompt], SamplingParams(**{**vars(params), "n": 1}))
+    assert single.outputs[0].token_ids == final.outputs[0].token_ids, "sample 0 of n is the n = 1 request"
+    (greedy,) = generate(llm, [prompt], SamplingParams(n=3, temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1, "greedy samples agree"
+
+
+def test_aborting_the_parent_aborts_every_parallel_sample(tiny_model) -> None:
+    path, _ = tiny_model
+    llm = LLM(model=path, **ENGINE, block_size=4)
+    engine = llm.llm_engine
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=30, ignore_eos=True)
+    whole = engine.add_request(make_prompts(8, [20])[0], params)
+    one_sample = engine.add_request(make_prompts(9, [20])[0], params)
+    for _ in range(4):
+        engine.step()
+    assert len(engine.engine_core.scheduler.requests) == 6
+    (aborted,) = engine.abort_requests([whole])
+    assert aborted.request_id == whole and aborted.finished
+    assert [c.finish_reason for c in aborted.outputs] == ["abort"] * 3
+    assert engine.abort_requests([f"1_{one_sample}"]) == [], "the parent goes on with its other samples"
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [output for output in engine.step() if output.finished]
+    assert [output.request_id for output in finals] == [one_sample]
+    assert [c.finish_reason for c in finals[0].outputs] == ["length", "abort", "length"]
+    engine.check_idle()
+
+
+def test_token_settings_are_checked_against_the_vocabulary(tiny_model) -> None:
+    path, _ = tiny_model
+    llm = LLM(model=path, **ENGINE)
+    engine = llm.llm_engine
+    bad_words_without_tokens = SamplingParams()
+    bad_words_without_tokens.bad_words_token_ids = [[3, 300]]
+    for field, params in [
+        ("logit_bias", SamplingParams(logit_bias={256: 1.0})),
+        ("allowed_token_ids", SamplingParams(allowed_token_ids=[1, 256])),
+        ("bad_words", SamplingParams(bad_words=["no tokenizer"])),
+        ("bad_words", bad_words_without_tokens),
+    ]:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request([1, 2, 3], params)
+        assert info.value.param == field
+    engine.add_request([1, 2, 3], SamplingParams(logit_bias={255: 1.0}, allowed_token_ids=[0, 255], max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_idle()
