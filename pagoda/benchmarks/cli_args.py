@@ -27,7 +27,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
     group.add_argument("--temperature", type=float, default=0.0)
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts and arrival times")
     group.add_argument("--result-json", default=None, help="also write the figures to this file")
 
 

@@ -15,7 +15,7 @@ from pagoda.benchmarks.workload import RequestResult, arrival_offsets, make_requ
 def run(llm: LLM, args: argparse.Namespace) -> tuple[list[RequestResult], float]:
     engine = llm.llm_engine
     requests = make_requests(args)
-    offsets = arrival_offsets(len(requests), args.request_rate, args.seed)
+    offsets = arrival_offsets(len(requests), args.request_rate, args.workload_seed)
     results = [RequestResult(success=False) for _ in requests]
     last_arrival: dict[str, float] = {}
     index_of: dict[str, int] = {}

@@ -77,7 +77,7 @@ async def run(args: argparse.Namespace) -> tuple[list[RequestResult], float]:
     base_url = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     requests = make_requests(args)
-    offsets = arrival_offsets(len(requests), args.request_rate, args.seed)
+    offsets = arrival_offsets(len(requests), args.request_rate, args.workload_seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         model = args.model

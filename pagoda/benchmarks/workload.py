@@ -12,13 +12,14 @@ import numpy as np
 
 # Common English words: nearly every one is a single token in a BPE vocabulary, so a prompt of
 # N words is about N tokens on any server (the exact count comes back in `usage`).
-WORDS = (
-    "the of and to in is was for that on with as by at from his her they this have are not but had "
-    "which one all were when we there can an your more time so would about many then them these "
-    "some will other into has two like make see could no way people than first water been call who "
-    "its now find long down day did get come made may part over new sound take only little work "
-    "know place year live back give most very after thing our just name good sentence man think say"
-).split()
+_COMMON_WORDS = """
+the of and to in is was for that on with as by at from his her they this have are not but had which
+one all were when we there can an your more time so would about many then them these some will other
+into has two like make see could no way people than first water been call who its now find long down
+day did get come made may part over new sound take only little work know place year live back give
+most very after thing our just name good sentence man think say
+"""
+WORDS = _COMMON_WORDS.split()
 
 
 @dataclass
@@ -28,7 +29,7 @@ class BenchRequest:
 
 
 def make_requests(args: argparse.Namespace) -> list[BenchRequest]:
-    rng = random.Random(args.seed)
+    rng = random.Random(args.workload_seed)
 
     def length(mean: int) -> int:
         return max(1, rng.randint(int(mean * (1 - args.range_ratio)), int(mean * (1 + args.range_ratio))))

@@ -31,8 +31,10 @@ class RequestStream:
     """The newest output of one request, or the error that ended it. Outputs are cumulative,
     so a reader slower than the engine skips intermediate ones and loses nothing."""
 
-    def __init__(self, arrival: float) -> None:
+    def __init__(self, arrival: float, core_request_ids: list[str]) -> None:
         self.times = RequestTimes(arrival)
+        # The core requests behind it (n > 1: one per sample), whose refusals it reports.
+        self.core_request_ids = core_request_ids
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -61,7 +63,9 @@ class AsyncLLM:
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.client = EngineCoreClient(config)
         try:
+            # The tokenizer loads here while the core process builds the model.
             self.engine = LLMEngine(config, engine_core=self.client)
+            self.client.wait_until_ready()
         except BaseException:
             self.client.shutdown()
             raise
@@ -71,9 +75,19 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
         self._reported: asyncio.Condition | None = None
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError, saying why, unless the engine core is alive and its outputs read."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.client.check_alive()
+
     @property
     def is_healthy(self) -> bool:
-        return self.dead_error is None and self.client.is_alive()
+        try:
+            self.check_health()
+        except EngineDeadError:
+            return False
+        return True
 
     def add_requests(self, requests: Sequence[tuple[PromptType, SamplingParams, str]]) -> None:
         """Validate and tokenize every (prompt, params, request id) first, then queue them all:
@@ -85,14 +99,18 @@ class AsyncLLM:
         processed = [self.engine.process(prompt, params, request_id) for prompt, params, request_id in requests]
         for request, prompt_text in processed:
             self.engine.enqueue(request, prompt_text)
-        for _, _, request_id in requests:
-            self._streams[request_id] = RequestStream(arrival)
+            core_request_ids = self.engine.output_processor.core_request_ids([request.request_id])
+            self._streams[request.request_id] = RequestStream(arrival, core_request_ids)
 
-    async def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until its last; leaving early (break, cancel, close) aborts it."""
+    def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until its last; leaving early (break, cancel, close) aborts it.
+        Call it before awaiting anything: a request already finished is no longer in flight."""
         stream = self._streams.get(request_id)
         if stream is None:
             raise KeyError(f"no request {request_id!r} is in flight")
+        return self._follow(request_id, stream)
+
+    async def _follow(self, request_id: str, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         try:
             while True:
                 output = await stream.get()
@@ -111,8 +129,13 @@ class AsyncLLM:
         streams = {request_id: self._streams.pop(request_id) for request_id in live}
         if self.dead_error is not None:
             return
-        for output in self.engine.abort_requests(live):
+        try:
+            aborted = self.engine.abort_requests(live)
+        except EngineDeadError:
+            return  # the output loop reports the death and fails what is left
+        for output in aborted:
             stream = streams[output.request_id]
+            self._take_refusals(stream)
             self.metrics.observe_output(stream.times, output, now)
             stream.put(output)  # a reader still waiting ends with the aborted output
 
@@ -142,7 +165,8 @@ class AsyncLLM:
             self._output_task.cancel()
             await asyncio.gather(self._output_task, return_exceptions=True)
             self._output_task = None
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self.dead_error = EngineDeadError("the server is shutting down")
+        self._fail_all(self.dead_error)
         self.client.shutdown()
 
     def _start_output_loop(self) -> None:
@@ -183,14 +207,17 @@ class AsyncLLM:
             stream.put(output)
             return
         del self._streams[output.request_id]
-        if any(completion.finish_reason == FinishReason.ERROR for completion in output.outputs):
-            reason = self.client.request_errors.pop(output.request_id, None)
-            if reason is not None:  # the core refused it: a limit of this request, e.g. the KV pool
-                stream.fail(InvalidRequestError("prompt", reason))
-            else:
-                stream.fail(RuntimeError(f"request {output.request_id} failed in the engine"))
-            return
-        stream.put(output)
+        refusals = self._take_refusals(stream)
+        if refusals:  # the core refused it: a limit of this request, e.g. the KV pool
+            stream.fail(InvalidRequestError("prompt", refusals[0]))
+        elif any(completion.finish_reason == FinishReason.ERROR for completion in output.outputs):
+            stream.fail(RuntimeError(f"request {output.request_id} failed in the engine"))
+        else:
+            stream.put(output)
+
+    def _take_refusals(self, stream: RequestStream) -> list[str]:
+        errors = self.client.request_errors
+        return [errors.pop(core_id) for core_id in stream.core_request_ids if core_id in errors]
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():

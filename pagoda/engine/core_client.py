@@ -8,6 +8,7 @@ call. A synchronous caller blocks in `step()` until the next report; an asyncio 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -61,12 +62,9 @@ class EngineCoreClient:
         self._core_has_work = False
         self._outputs: list[EngineCoreOutput] = []
         self._closed = False
+        self._startup_deadline = time.monotonic() + startup_timeout_s
+        self.num_kv_blocks: int | None = None  # known once the core is ready
         self.process.start()
-        try:
-            self.num_kv_blocks = self._wait_for_ready(startup_timeout_s)
-        except BaseException:
-            self.shutdown()
-            raise
 
     # ---- EngineCore's interface ----------------------------------------------------------
 
@@ -86,6 +84,7 @@ class EngineCoreClient:
     def step(self) -> list[EngineCoreOutput]:
         """The outputs reported since the last call; waits for a report only when no report
         has arrived and the core still has work (never, after `wait_for_reports()`)."""
+        self.wait_until_ready()
         if not self._receive(block=False) and not self._outputs and self.has_work():
             self._receive(block=True)
         outputs, self._outputs = self._outputs, []
@@ -106,7 +105,8 @@ class EngineCoreClient:
             return
         self._closed = True
         if self.process.is_alive():
-            send(self._commands, CoreCommand(CommandKind.SHUTDOWN))
+            with contextlib.suppress(zmq.Again):
+                send(self._commands, CoreCommand(CommandKind.SHUTDOWN), zmq.NOBLOCK)
             self.process.join(10)
         if self.process.is_alive():
             self.process.terminate()
@@ -124,6 +124,7 @@ class EngineCoreClient:
 
     async def wait_for_reports(self) -> None:
         """Return once a report is waiting to be read; raise EngineDeadError if the core dies."""
+        self.wait_until_ready()
         if self._async_reports is None:
             self._async_reports = zmq.asyncio.Socket.from_socket(self._reports)
         while not await self._async_reports.poll(LIVENESS_POLL_MS, zmq.POLLIN):
@@ -134,15 +135,24 @@ class EngineCoreClient:
         self._send(CoreCommand(CommandKind.CHECK_IDLE))
         return self.num_commands_sent
 
-    def is_alive(self) -> bool:
-        return self.dead_error is None and not self._closed and self.process.is_alive()
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if the core has died (reads no report: safe from any caller)."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._closed or not self.process.is_alive():
+            raise EngineDeadError(f"the engine core process exited (exit code {self.process.exitcode})")
 
     # ---- internals -----------------------------------------------------------------------
 
     def _send(self, command: CoreCommand) -> None:
         if self.dead_error is not None:
             raise self.dead_error
-        send(self._commands, command)
+        self.wait_until_ready()
+        try:
+            send(self._commands, command, zmq.NOBLOCK)
+        except zmq.Again:  # no core at the other end: a PUSH socket would wait for one forever
+            self._check_alive()
+            self._die("the engine core process is not connected")
         self.num_commands_sent += 1
 
     def _receive(self, block: bool) -> int:
@@ -170,25 +180,36 @@ class EngineCoreClient:
         self.idle_check_answers.update(message.idle_checks)
 
     def _check_alive(self) -> None:
-        if self.dead_error is not None:
-            raise self.dead_error
-        if not self.process.is_alive():
-            self._receive(block=False)  # a CoreFailed sent just before the exit says why
-            self._die(f"the engine core process exited (exit code {self.process.exitcode})")
+        """`check_alive` while waiting for reports: a death becomes final here."""
+        try:
+            self.check_alive()
+        except EngineDeadError as error:
+            if self.dead_error is None and self.num_kv_blocks is not None:
+                self._receive(block=False)  # a CoreFailed sent just before the exit says why
+            if self.dead_error is None:
+                self._die(str(error))
+            raise
 
     def _die(self, reason: str) -> None:
         logger.error(reason)
         self.dead_error = EngineDeadError(reason)
         raise self.dead_error
 
-    def _wait_for_ready(self, timeout_s: float) -> int:
-        deadline = time.monotonic() + timeout_s
-        while not self._reports.poll(LIVENESS_POLL_MS):
-            self._check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the engine core did not start within {timeout_s:.0f} s")
-        message = pickle.loads(self._reports.recv())
-        if isinstance(message, CoreFailed):
-            self._die(f"the engine core failed to start:\n{message.error}")
-        assert isinstance(message, CoreReady), f"unexpected first message from the engine core: {message!r}"
-        return message.num_kv_blocks
+    def wait_until_ready(self) -> None:
+        """Wait for the core to have built its model and KV cache (the first command waits for
+        it anyway: call it to overlap other start-up work and see start-up errors early)."""
+        if self.num_kv_blocks is not None:
+            return
+        try:
+            while not self._reports.poll(LIVENESS_POLL_MS):
+                self._check_alive()
+                if time.monotonic() > self._startup_deadline:
+                    raise TimeoutError("the engine core did not start in time")
+            message = pickle.loads(self._reports.recv())
+            if isinstance(message, CoreFailed):
+                self._die(f"the engine core failed to start:\n{message.error}")
+            assert isinstance(message, CoreReady), f"unexpected first message from the engine core: {message!r}"
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_kv_blocks = message.num_kv_blocks

@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500
 
 
-def send(socket: zmq.Socket, message: Any) -> None:
-    socket.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+def send(socket: zmq.Socket, message: Any, flags: int = 0) -> None:
+    socket.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), flags, copy=False)
 
 
 def open_socket(context: zmq.Context, kind: int, address: str, bind: bool, linger_ms: int = 0) -> zmq.Socket:

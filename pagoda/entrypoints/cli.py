@@ -1,4 +1,5 @@
-"""The `pagoda` command: `generate` answers one prompt, `chat` holds a conversation."""
+"""The `pagoda` command: `generate` answers one prompt, `chat` holds a conversation, `serve`
+runs the OpenAI-compatible server, `bench` measures one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from pagoda.benchmarks.cli_args import add_bench_parser
 from pagoda.config import ConfigError
+from pagoda.entrypoints.openai.cli_args import add_serve_args
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -115,6 +118,12 @@ def run_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from pagoda.entrypoints.openai.api_server import run_server
+
+    return run_server(args, engine_kwargs(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda, a fast LLM inference engine")
     parser.add_argument("--log-level", default="WARNING")
@@ -132,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=run_chat)
+
+    serve = commands.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    add_serve_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=run_serve)
+
+    add_bench_parser(commands, add_engine_args, engine_kwargs)
     return parser
 
 

@@ -1,9 +1,10 @@
-"""The OpenAI wire format: request bodies (validated strictly: wrong types, values out of range
-and unknown fields are refused with the field's name) and response bodies.
+"""The OpenAI wire format: request bodies and response bodies.
 
-Fields past OpenAI's own (top_k, min_p, repetition_penalty, ignore_eos, ...) follow vLLM's
-names, so clients written for vLLM work unchanged. Every sampling field defaults to None,
-meaning "the engine's default".
+Request bodies are checked strictly for shape here (wrong types and unknown fields are refused
+with the field's name); the ranges of sampling values are SamplingParams' to check, so they
+have one home. Fields past OpenAI's own (top_k, min_p, repetition_penalty, ignore_eos, ...)
+follow vLLM's names, so clients written for vLLM work unchanged. Every sampling field defaults
+to None, meaning "the engine's default".
 """
 
 from __future__ import annotations
@@ -11,12 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
-
-# Per-token candidates a request may ask for (OpenAI allows 20 for chat, 5 for completions).
-MAX_LOGPROBS = 20
-# Parallel samples per request (OpenAI's limit).
-MAX_N = 128
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
 class StrictModel(BaseModel):
@@ -50,21 +46,21 @@ class SamplingFields(StrictModel):
     """Fields that completions and chat share, under the engine's SamplingParams names."""
 
     model: str | None = None
-    n: int | None = Field(None, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -75,10 +71,10 @@ class SamplingFields(StrictModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class TextPart(StrictModel):
@@ -95,26 +91,27 @@ class ChatMessage(StrictModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
 
-class TokenizeCompletionRequest(StrictModel):
+class TokenizeRequest(StrictModel):
+    """Either a prompt (tokenized as is) or messages (rendered with the chat template)."""
+
     model: str | None = None
-    prompt: str
+    prompt: str | None = None
     add_special_tokens: bool = True
-
-
-class TokenizeChatRequest(StrictModel):
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
 
-
-TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
 
 
 class DetokenizeRequest(StrictModel):

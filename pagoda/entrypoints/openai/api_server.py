@@ -1,0 +1,152 @@
+"""The OpenAI-compatible HTTP server: routes, API-key check, health, metrics; `run_server`
+starts the engine core process, then uvicorn, and stops the core when the server stops.
+
+Auth: with an API key set, every route but `/health` needs `Authorization: Bearer KEY`.
+`/metrics` is guarded too: it tells traffic volume and load to whoever reads it, and
+Prometheus scrape configs send bearer tokens (`authorization: {credentials: KEY}`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagoda.config import EngineConfig
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.core_client import EngineDeadError
+from pagoda.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from pagoda.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagoda.metrics import CONTENT_TYPE
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health"})
+# Seconds uvicorn lets open streams run after a stop signal before it cancels them.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+class APIKeyMiddleware:
+    """Refuses requests without the right bearer token before anything reads their body
+    (plain ASGI, so streaming and disconnect handling pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "missing API key" if not given else "invalid API key"
+                error = OpenAIError(
+                    401, f"{message}: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def served_name(config: EngineConfig) -> str:
+    """The model's name for clients: its file or folder name, without `.gguf`."""
+    name = os.path.basename(os.path.normpath(config.model_config.model))
+    return name.removesuffix(".gguf")
+
+
+def build_app(
+    engine: AsyncLLM, served_model_name: str, api_key: str | None = None, enable_debug_routes: bool = False
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="Pagoda", lifespan=lifespan)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    completions = OpenAIServingCompletion(engine, served_model_name)
+    chat = OpenAIServingChat(engine, served_model_name)
+    tokenization = OpenAIServingTokenization(engine, served_model_name)
+    max_model_len = engine.config.model_config.max_model_len
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            engine.check_health()
+        except EngineDeadError as error:
+            return OpenAIError(503, f"unhealthy: {str(error).splitlines()[0]}").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=max_model_len)])
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create(body, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create(body, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return tokenization.detokenize(body)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    if enable_debug_routes:
+
+        @app.get("/debug/idle")
+        async def idle() -> dict[str, Any]:
+            """Whether no request state is left anywhere and the KV pool is whole (for tests)."""
+            detail = await engine.check_idle()
+            return {"idle": detail is None, "detail": detail}
+
+    return app
+
+
+def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    config = EngineConfig.create(model=args.model, **engine_kwargs)
+    engine = AsyncLLM(config)
+    try:
+        app = build_app(engine, args.served_model_name or served_name(config), args.api_key, args.enable_debug_routes)
+        logger.warning("serving %s on http://%s:%d", config.model_config.model, args.host, args.port)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    finally:
+        engine.client.shutdown()  # uvicorn's lifespan did it already unless the server failed to start
+    return 0

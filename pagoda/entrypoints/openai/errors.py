@@ -1,0 +1,106 @@
+"""Every failure answered with OpenAI's error body, `{"error": {message, type, param, code}}`,
+and the status that fits it; none of them reaches the engine or disturbs another request."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagoda.engine.core_client import EngineDeadError
+from pagoda.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagoda.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+# Union members appear in pydantic's error locations by their type names; they are not fields.
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=_TYPES.get(self.status, "error"), param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def invalid_request(error: InvalidRequestError, param_names: dict[str, str] | None = None) -> OpenAIError:
+    """A 400 for an engine-side validation error, its field renamed to the one the client sent."""
+    param = (param_names or {}).get(error.param, error.param)
+    return OpenAIError(400, str(error), param=param)
+
+
+def validation_error(error: RequestValidationError) -> OpenAIError:
+    """A 400 naming the first bad field of the body, the rule it broke and the value sent."""
+    first = error.errors()[0]
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "invalid JSON")
+        return OpenAIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json")
+    if isinstance(first.get("input"), bytes):  # the body was not parsed as JSON
+        return OpenAIError(400, "the request body must be JSON, sent with 'Content-Type: application/json'")
+    if first["type"] == "missing" and tuple(first["loc"]) == ("body",):
+        return OpenAIError(400, "the request body is empty: send a JSON object", code="invalid_json")
+    param = _param_path([part for part in first["loc"] if part != "body"])
+    message = str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"]
+    if first["type"] != "missing" and "input" in first:
+        message += f", got {first['input']!r}"
+    if not param:
+        return OpenAIError(400, f"request body: {message}")
+    return OpenAIError(400, f"{param}: {message}", param=param)
+
+
+def _param_path(loc: list[str | int]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in _UNION_TAGS:
+            path += f".{part}" if path else part
+    return path
+
+
+def to_openai_error(error: Exception) -> OpenAIError:
+    """The OpenAI error for anything a request's handling may raise; unexpected ones are logged."""
+    if isinstance(error, OpenAIError):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return invalid_request(error)
+    if isinstance(error, EngineDeadError):
+        return OpenAIError(503, f"the engine is not running: {str(error).splitlines()[0]}")
+    logger.error("unexpected error serving a request", exc_info=error)
+    return OpenAIError(500, f"internal error: {type(error).__name__}")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, error: RequestValidationError) -> JSONResponse:
+        return validation_error(error).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return OpenAIError(error.status_code, str(error.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _any(_: Request, error: Exception) -> JSONResponse:
+        return to_openai_error(error).response()

@@ -1,0 +1,158 @@
+"""`OpenAIServing`: what the completion and chat endpoints share — the model check, OpenAI
+fields to SamplingParams, queueing prompts, following their outputs, usage, logprob tokens,
+and answering as one JSON body or as an event stream."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.processor import PromptType
+from pagoda.entrypoints.openai.errors import OpenAIError, invalid_request
+from pagoda.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from pagoda.entrypoints.openai.streaming import SSEResponse, cancel_on_disconnect, merge_outputs, sse_events
+from pagoda.errors import InvalidRequestError
+from pagoda.outputs import Logprob, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+# JSON has no -inf: the floor OpenAI-compatible servers send for "impossible".
+MIN_LOGPROB = -9999.0
+
+# Request fields whose values go to SamplingParams under the same name when the client sets them.
+SHARED_SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "min_tokens",
+    "ignore_eos",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
+
+
+class OpenAIServing:
+    # SamplingParams / engine field names -> the request field a client sent, for error messages.
+    param_names: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.tokenizer = engine.tokenizer
+
+    def check_request(self, body: SamplingFields) -> None:
+        """What pydantic cannot check alone: the model name, and stream_options only with stream."""
+        self.check_model(body.model)
+        if body.stream_options is not None and not body.stream:
+            raise OpenAIError(400, "stream_options is only allowed when stream is true", "stream_options")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.served_model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def sampling_params(self, body: SamplingFields, max_tokens: int | None, **fields: Any) -> SamplingParams:
+        """SamplingParams from the fields the client set (None means the engine's default);
+        `max_tokens` None means until the end of the text or of the context."""
+        kwargs = {name: getattr(body, name) for name in SHARED_SAMPLING_FIELDS if getattr(body, name) is not None}
+        kwargs.update({name: value for name, value in fields.items() if value is not None})
+        kwargs["max_tokens"] = max_tokens
+        try:
+            return SamplingParams(**kwargs)
+        except InvalidRequestError as error:
+            raise invalid_request(error, self.param_names) from error
+
+    def start(self, prompts: list[PromptType], params: SamplingParams, id_prefix: str) -> tuple[str, list[str]]:
+        """Queue one engine request per prompt (all or none); returns the response's id and the
+        requests' ids (the response's id and the prompt's position)."""
+        response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        try:
+            self.engine.add_requests([(p, params, rid) for p, rid in zip(prompts, request_ids, strict=True)])
+        except InvalidRequestError as error:
+            raise invalid_request(error, self.param_names) from error
+        return response_id, request_ids
+
+    def outputs(self, request_ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every request's outputs as they come, tagged with the prompt's position. Call it
+        right after `start`, before awaiting anything (see AsyncLLM.outputs)."""
+        return merge_outputs([self.engine.outputs(request_id) for request_id in request_ids])
+
+    @staticmethod
+    async def final_outputs(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> list[RequestOutput]:
+        """The last output of each prompt, in prompt order."""
+        finals: dict[int, RequestOutput] = {}
+        async for position, output in outputs:
+            finals[position] = output
+        return [finals[position] for position in sorted(finals)]
+
+    async def respond(
+        self,
+        raw_request: Request,
+        request_ids: list[str],
+        stream: bool,
+        chunks: Callable[[], AsyncIterator[BaseModel]],
+        final: Callable[[], Awaitable[BaseModel]],
+    ) -> Response:
+        """Answer with the event stream of `chunks()` or the body `final()` builds; a client
+        that goes away first has its requests aborted."""
+        if stream:
+            return SSEResponse(sse_events(chunks()), on_close=lambda: self.engine.abort(request_ids))
+        try:
+            body = await cancel_on_disconnect(raw_request, final())
+        finally:
+            self.engine.abort(request_ids)
+        if body is None:
+            return Response(status_code=499)  # nobody is listening; the status shows in access logs
+        return JSONResponse(body.model_dump())
+
+    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+
+def make_usage(finals: dict[int, RequestOutput]) -> UsageInfo:
+    """Usage of the requests' latest outputs: prompt tokens of each prompt, generated tokens of every choice."""
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in finals.values())
+    completion_tokens = sum(len(c.token_ids) for output in finals.values() for c in output.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def top_candidates(candidates: dict[int, Logprob], count: int) -> list[tuple[int, Logprob]]:
+    """The `count` most likely candidates, by rank."""
+    ranked = sorted(candidates.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
+    return ranked[:count]
+
+
+def created() -> int:
+    return int(time.time())

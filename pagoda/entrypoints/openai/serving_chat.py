@@ -1,0 +1,160 @@
+"""`POST /v1/chat/completions`: the conversation rendered with the model's chat template
+(user text stays text: `render_chat`), one engine request carrying n samples."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import ClassVar
+
+from starlette.requests import Request
+from starlette.responses import Response
+from transformers import PreTrainedTokenizerBase
+
+from pagoda.engine.chat import render_chat
+from pagoda.entrypoints.openai.errors import OpenAIError, invalid_request
+from pagoda.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    TopLogprob,
+)
+from pagoda.entrypoints.openai.serving_base import OpenAIServing, clamp_logprob, created, make_usage, top_candidates
+from pagoda.entrypoints.openai.streaming import ChoiceTracker
+from pagoda.errors import InvalidRequestError
+from pagoda.outputs import RequestOutput, SampleLogprobs
+
+
+class OpenAIServingChat(OpenAIServing):
+    # Chat's prompt is its messages; its number of candidates per token is top_logprobs.
+    param_names: ClassVar[dict[str, str]] = {"prompt": "messages", "logprobs": "top_logprobs"}
+
+    async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_request(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        prompt = render_messages(self.tokenizer, body.messages, body.add_generation_prompt)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = self.sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        response_id, request_ids = self.start([prompt], params, "chatcmpl")
+        outputs = self.outputs(request_ids)
+        stops = list(params.stop)
+        return await self.respond(
+            raw_request,
+            request_ids,
+            body.stream,
+            chunks=lambda: self._chunks(body, response_id, outputs, stops),
+            final=lambda: self._final(body, response_id, outputs),
+        )
+
+    async def _final(
+        self, body: ChatCompletionRequest, response_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> ChatCompletionResponse:
+        (output,) = await self.final_outputs(outputs)
+        choices = [
+            ChatChoice(
+                index=completion.index,
+                message=ChatResponseMessage(content=completion.text),
+                logprobs=self._logprobs(completion.token_ids, completion.logprobs, body) if body.logprobs else None,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            for completion in output.outputs
+        ]
+        return ChatCompletionResponse(
+            id=response_id,
+            created=created(),
+            model=self.served_model_name,
+            choices=choices,
+            usage=make_usage({0: output}),
+        )
+
+    async def _chunks(
+        self,
+        body: ChatCompletionRequest,
+        response_id: str,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        stops: list[str],
+    ) -> AsyncIterator[ChatCompletionChunk]:
+        created_at = created()
+        trackers: dict[int, ChoiceTracker] = {}
+        latest: dict[int, RequestOutput] = {}
+
+        def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
+            return ChatCompletionChunk(
+                id=response_id, created=created_at, model=self.served_model_name, choices=[choice]
+            )
+
+        async for position, output in outputs:
+            latest[position] = output
+            for completion in output.outputs:
+                if completion.index not in trackers:
+                    trackers[completion.index] = ChoiceTracker(stops)
+                    yield chunk(ChatChunkChoice(index=completion.index, delta=ChatDelta(role="assistant", content="")))
+                delta = trackers[completion.index].update(completion)
+                if delta is None:
+                    continue
+                logprobs = self._logprobs(delta.token_ids, delta.logprobs, body) if body.logprobs else None
+                yield chunk(
+                    ChatChunkChoice(
+                        index=completion.index,
+                        delta=ChatDelta(content=delta.text),
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
+                    )
+                )
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield ChatCompletionChunk(
+                id=response_id, created=created_at, model=self.served_model_name, choices=[], usage=make_usage(latest)
+            )
+
+    def _logprobs(
+        self, token_ids: list[int], entries: SampleLogprobs | None, body: ChatCompletionRequest
+    ) -> ChatLogprobs:
+        """Each token's text, bytes and logprob, with the `top_logprobs` best candidates."""
+        if entries is None:
+            raise RuntimeError("logprobs were asked for but the engine returned none")
+        content = []
+        for token_id, candidates in zip(token_ids, entries, strict=True):
+            sampled = candidates[token_id]
+            token = self.token_text(token_id, sampled)
+            top = [
+                TopLogprob(token=text, logprob=clamp_logprob(lp.logprob), bytes=list(text.encode()))
+                for text, lp in (
+                    (self.token_text(t, lp), lp) for t, lp in top_candidates(candidates, body.top_logprobs or 0)
+                )
+            ]
+            content.append(
+                ChatTokenLogprob(
+                    token=token, logprob=clamp_logprob(sampled.logprob), bytes=list(token.encode()), top_logprobs=top
+                )
+            )
+        return ChatLogprobs(content=content)
+
+
+def render_messages(
+    tokenizer: PreTrainedTokenizerBase | None, messages: list[ChatMessage], add_generation_prompt: bool
+) -> list[int]:
+    """The conversation's prompt token ids under the model's chat template."""
+    if tokenizer is None:
+        raise OpenAIError(400, "this model has no tokenizer, so no chat template: use /v1/completions", "messages")
+    conversation = [
+        {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": message.content
+            if isinstance(message.content, str)
+            else "\n".join(p.text for p in message.content),
+        }
+        for message in messages
+    ]
+    try:
+        return render_chat(tokenizer, conversation, add_generation_prompt)
+    except InvalidRequestError as error:
+        raise invalid_request(error, OpenAIServingChat.param_names) from error

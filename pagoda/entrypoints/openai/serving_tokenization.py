@@ -1,0 +1,32 @@
+"""`POST /tokenize` and `POST /detokenize`: the server's tokenizer and chat template, for
+clients that count or build prompts themselves."""
+
+from __future__ import annotations
+
+from pagoda.entrypoints.openai.errors import OpenAIError
+from pagoda.entrypoints.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from pagoda.entrypoints.openai.serving_base import OpenAIServing
+from pagoda.entrypoints.openai.serving_chat import render_messages
+
+
+class OpenAIServingTokenization(OpenAIServing):
+    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(body.model)
+        if body.messages is not None:
+            tokens = render_messages(self.tokenizer, body.messages, body.add_generation_prompt)
+        elif self.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer", "prompt")
+        else:
+            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        max_model_len = self.engine.config.model_config.max_model_len
+        return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        if self.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer", "tokens")
+        vocab_size = self.engine.config.model_config.vocab_size
+        bad = [token for token in body.tokens if not 0 <= token < vocab_size]
+        if bad:
+            raise OpenAIError(400, f"tokens has token id {bad[0]} outside the vocabulary [0, {vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))

@@ -1,0 +1,123 @@
+"""A real `pagoda serve` in a subprocess on 127.0.0.1, for tests that drive it over HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STARTUP_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of a process (Linux /proc)."""
+    children: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as file:
+            children += [int(child) for child in file.read().split()]
+    return children
+
+
+def is_running(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(condition, timeout_s: float, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval_s)
+    return condition()
+
+
+class RemoteServer:
+    def __init__(self, *serve_args: str, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        args = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--port", str(self.port), *serve_args]
+        if api_key is not None:
+            args += ["--api-key", api_key]
+        self.process = subprocess.Popen(args, cwd=REPO_ROOT)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers, timeout=60, **kwargs)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.post(self.url + path, headers=headers, timeout=60, **kwargs)
+
+    def core_pid(self) -> int:
+        """The engine core process: the server's child started by multiprocessing's spawn (the
+        other child, if any, is multiprocessing's resource tracker)."""
+        for pid in child_pids(self.process.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                if b"spawn_main" in file.read():
+                    return pid
+        raise AssertionError("no engine core process found")
+
+    def wait_idle(self, timeout_s: float = 30) -> dict:
+        """Poll /debug/idle until the engine holds no request state; returns its last answer."""
+        answer: dict = {}
+
+        def idle() -> bool:
+            nonlocal answer
+            answer = self.get("/debug/idle").json()
+            return answer["idle"]
+
+        wait_until(idle, timeout_s, interval_s=0.2)
+        return answer
+
+    def stop(self) -> int:
+        """SIGTERM, as a supervisor would; returns the exit code (uvicorn re-raises the signal
+        once it has shut down cleanly, so -SIGTERM is a clean exit) and checks no child is left."""
+        children = child_pids(self.process.pid) if self.process.poll() is None else []
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait(10)
+        left = [pid for pid in children if not wait_until(lambda pid=pid: not is_running(pid), 10)]
+        assert not left, f"processes left behind by the server: {left}"
+        return code
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.process.returncode} while starting")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the server did not become healthy within {STARTUP_TIMEOUT_S} s")

@@ -1,0 +1,141 @@
+"""The engine core in its own process (`EngineCoreClient`), on a tiny random checkpoint: the
+same greedy tokens as the in-process core through `LLMEngine`, aborts and parallel samples
+ending idle, a refused request that leaves the others running, a dead core reported as such,
+and a core that never outlives the process that started it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("zmq")
+
+from model_utils import save_tiny_checkpoint
+from server_utils import is_running, wait_until
+
+from pagoda import SamplingParams
+from pagoda.config import EngineConfig
+from pagoda.engine.core_client import EngineCoreClient, EngineDeadError
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.errors import InvalidRequestError
+from pagoda.outputs import RequestOutput
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 60)), [42] * 20]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("llama3"))
+    save_tiny_checkpoint("llama3", path)
+    return path
+
+
+def make_config(model: str) -> EngineConfig:
+    # 12 usable blocks of 8 tokens: a request of max_model_len (16 blocks) is refused, and the
+    # tests' batches preempt each other, across the process boundary too.
+    return EngineConfig.create(
+        model=model, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks=13, block_size=8
+    )
+
+
+@pytest.fixture(scope="module")
+def remote(tiny_model: str):
+    config = make_config(tiny_model)
+    client = EngineCoreClient(config)
+    yield LLMEngine(config, engine_core=client)
+    client.shutdown()
+    assert not client.process.is_alive()
+
+
+def run_to_end(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    finished: dict[str, RequestOutput] = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine did not finish in time"
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return [finished[i] for i in ids]
+
+
+def test_remote_core_generates_what_the_local_one_does(remote: LLMEngine, tiny_model: str) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    local = run_to_end(LLMEngine(make_config(tiny_model)), PROMPTS, params)
+    outputs = run_to_end(remote, PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in local]
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outputs)
+    remote.check_idle()
+
+
+def test_parallel_samples_and_aborts_end_idle(remote: LLMEngine) -> None:
+    (output,) = run_to_end(remote, [PROMPTS[2]], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8))
+    assert len(output.outputs) == 3 and all(len(c.token_ids) == 8 for c in output.outputs)
+    long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    ids = [remote.add_request(prompt, long) for prompt in PROMPTS]
+    remote.step()
+    aborted = remote.abort_requests(ids[:2])
+    assert [o.outputs[0].finish_reason for o in aborted] == ["abort", "abort"]
+    while remote.has_unfinished_requests():
+        remote.step()
+    remote.check_idle()
+    assert remote.engine_core.stats.num_running_reqs == 0
+    assert remote.engine_core.stats.kv_cache_usage == 0
+
+
+def test_a_refused_request_leaves_the_others_running(remote: LLMEngine, tiny_model: str) -> None:
+    """A request the KV pool cannot hold comes back finished with ERROR and the reason; the
+    in-process core refuses the same request when it is added."""
+    too_big = remote.add_request(PROMPTS[2], SamplingParams(max_tokens=100))
+    fine = remote.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    finished: dict[str, RequestOutput] = {}
+    while remote.has_unfinished_requests():
+        finished.update({o.request_id: o for o in remote.step() if o.finished})
+    assert finished[too_big].outputs[0].finish_reason == "error"
+    assert "KV cache blocks" in remote.engine_core.request_errors.pop(too_big)
+    assert len(finished[fine].outputs[0].token_ids) == 5
+    remote.check_idle()
+    with pytest.raises(InvalidRequestError, match="KV cache blocks"):
+        LLMEngine(make_config(tiny_model)).add_request(PROMPTS[2], SamplingParams(max_tokens=100))
+
+
+def test_a_dead_core_is_reported(remote: LLMEngine) -> None:
+    """Last of the module's tests on `remote`: it kills its core."""
+    client = remote.engine_core
+    remote.add_request(PROMPTS[0], SamplingParams(max_tokens=60, ignore_eos=True))
+    os.kill(client.process.pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError, match="exit code -9"):
+        while remote.has_unfinished_requests():
+            remote.step()
+    with pytest.raises(EngineDeadError, match="exit code -9"):
+        client.check_alive()
+    with pytest.raises(EngineDeadError):
+        remote.add_request(PROMPTS[1], SamplingParams(max_tokens=4))
+
+
+def test_the_core_dies_with_its_parent(tiny_model: str) -> None:
+    """A parent killed outright (no shutdown, no exit handlers) leaves no core behind."""
+    script = (
+        "import sys, time\n"
+        "from pagoda.config import EngineConfig\n"
+        "from pagoda.engine.core_client import EngineCoreClient\n"
+        f"config = EngineConfig.create(model={tiny_model!r}, device='cpu', dtype='float32', num_gpu_blocks=16)\n"
+        "client = EngineCoreClient(config)\n"
+        "print(client.process.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(parent.stdout.readline())
+        assert is_running(core_pid)
+        parent.kill()
+        parent.wait(10)
+        assert wait_until(lambda: not is_running(core_pid), 10), "the core outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait(10)
