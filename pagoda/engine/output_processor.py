@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagoda.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagoda.engine.logprobs import to_logprob_dicts
-from pagoda.engine.parallel_sampling import ParentRequest
+from pagoda.engine.parallel_sampling import ParentRequest, request_metrics
 from pagoda.outputs import (
     CompletionOutput,
     EngineCoreOutput,
@@ -58,9 +58,6 @@ class RequestState:
         )
 
     def to_output(self, finish_reason: FinishReason | None, stop_reason: int | str | None) -> RequestOutput:
-        metrics = {"arrival_time": self.arrival_time}
-        if self.first_token_time is not None:
-            metrics["first_token_time"] = self.first_token_time
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -68,7 +65,7 @@ class RequestState:
             outputs=[self.to_completion(finish_reason, stop_reason)],
             finished=finish_reason is not None,
             prompt_logprobs=self.prompt_logprobs,
-            metrics=metrics,
+            metrics=request_metrics(self.arrival_time, self.first_token_time),
         )
 
 

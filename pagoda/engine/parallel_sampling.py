@@ -23,6 +23,14 @@ from pagoda.sample.ops import row_keys
 from pagoda.scheduler.request import Request
 
 
+def request_metrics(arrival_time: float, first_token_time: float | None) -> dict[str, float]:
+    """The timing figures a RequestOutput carries (monotonic clock)."""
+    metrics = {"arrival_time": arrival_time}
+    if first_token_time is not None:
+        metrics["first_token_time"] = first_token_time
+    return metrics
+
+
 def child_seed(seed: int, index: int) -> int:
     """Child i's seed: the seed itself for i = 0, else the i-th value of its splitmix64 stream
     (the counter-based hash the sampler keys its draws with)."""
@@ -92,9 +100,6 @@ class ParentRequest:
         return all(completion.finished for completion in self.completions)
 
     def to_output(self) -> RequestOutput:
-        metrics = {"arrival_time": self.arrival_time}
-        if self.first_token_time is not None:
-            metrics["first_token_time"] = self.first_token_time
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -102,5 +107,5 @@ class ParentRequest:
             outputs=list(self.completions),
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs,
-            metrics=metrics,
+            metrics=request_metrics(self.arrival_time, self.first_token_time),
         )
