@@ -1,5 +1,6 @@
-"""`pagoda bench serve` (an OpenAI-compatible server over HTTP) and `pagoda bench offline` (the
-same workload through the engine in-process), registered without importing either."""
+"""`pagoda bench serve` (an OpenAI-compatible server over HTTP), `pagoda bench offline` (the
+same workload through the engine in-process) and `pagoda bench throughput` (a fixed offline
+workload, optionally beside HF transformers), registered without importing any of them."""
 
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--temperature", type=float, default=0.0)
     group.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts and arrival times")
     group.add_argument("--result-json", default=None, help="also write the figures to this file")
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--workload", choices=["random", "nanobench"], default="random")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default: 32 (random), 256 (nanobench)")
+    parser.add_argument("--min-prompt-len", type=int, default=32)
+    parser.add_argument("--max-prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--peer", choices=["none", "hf"], default="none")
 
 
 def add_bench_parser(
@@ -64,3 +80,16 @@ def add_bench_parser(
         return main(args, engine_kwargs(args))
 
     offline.set_defaults(func=run_offline_bench)
+
+    throughput = kinds.add_parser(
+        "throughput", help="offline throughput (random or nanobench workload), optionally beside HF transformers"
+    )
+    add_throughput_args(throughput)
+
+    def run_throughput_bench(args: argparse.Namespace) -> int:
+        from pagoda.benchmarks.throughput import run
+
+        run(args)
+        return 0
+
+    throughput.set_defaults(func=run_throughput_bench)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda import LLM, SamplingParams
+from pagoda.benchmarks.cli_args import add_throughput_args
 from pagoda.benchmarks.hf_peer import load_hf_model
 
 
@@ -99,22 +100,14 @@ def run_hf(model_path: str, load_format: str, workload: Workload, dtype: torch.d
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--workload", choices=["random", "nanobench"], default="random")
-    parser.add_argument("--num-prompts", type=int, default=None, help="default: 32 (random), 256 (nanobench)")
-    parser.add_argument("--min-prompt-len", type=int, default=32)
-    parser.add_argument("--max-prompt-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--enforce-eager", action="store_true")
+    add_throughput_args(parser)
     parser.add_argument("--log-level", default="WARNING")
-    parser.add_argument("--peer", choices=["none", "hf"], default="none")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    run(args)
 
+
+def run(args: argparse.Namespace) -> None:
     if args.workload == "nanobench":
         workload = nanobench_workload(args.num_prompts or 256)
     else:
