@@ -1,0 +1,72 @@
+"""Where a nanobench engine step spends its time on the GPU machine.
+
+Runs the nanobench workload step by step through `LLMEngine`, and over a window of steps
+in steady decode records a torch profiler trace: GPU kernel time by kernel, host time by
+phase, and the step's wall time, so the gap between GPU busy time and wall time (host
+overhead the GPU waits for) shows. Usage, from the repo root:
+
+    python benchmarks/profile_steps.py --model qwen3-0.6b --load-format dummy [--trace out.json.gz]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pagoda import LLM
+from pagoda.benchmarks.throughput import nanobench_workload
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--warm-steps", type=int, default=150)
+    parser.add_argument("--profile-steps", type=int, default=30)
+    parser.add_argument("--trace", default=None)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    args = parser.parse_args()
+
+    llm = LLM(model=args.model, load_format=args.load_format, dtype="bfloat16")
+    engine = llm.llm_engine
+    workload = nanobench_workload(args.num_prompts)
+    for i, (prompt, params) in enumerate(zip(workload.prompts, workload.sampling_params(), strict=True)):
+        engine.add_request(prompt, params, request_id=str(i))
+    step_times = []
+    for _ in range(args.warm_steps):
+        start = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - start)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.profile_steps):
+            engine.step()
+        sync()
+        window = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - start)
+    stats = llm.llm_engine.engine_core.scheduler.make_stats()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"window: {args.profile_steps} steps, wall {window * 1e3:.1f} ms ({window / args.profile_steps * 1e3:.2f} ms/step)")
+    print(f"GPU kernel time in window: {gpu_us / 1e3:.1f} ms ({gpu_us / 1e3 / args.profile_steps:.2f} ms/step)")
+    print(f"unprofiled steps: {len(step_times)}, total {sum(step_times):.2f} s; preemptions {stats.num_preemptions}")
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+
+
+if __name__ == "__main__":
+    main()
