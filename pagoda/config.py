@@ -126,11 +126,17 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # Schedule step N+1 while the device runs step N (a batch queue of depth 2); None: on for CUDA.
+    async_scheduling: bool | None = None
     max_model_len: int = 0
+    # Requests (each of n samples counts) a server lets wait for a place in the batch; more are refused.
+    max_num_queued_requests: int = 4096
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_queued_requests < 1:
+            raise ConfigError(f"max_num_queued_requests must be >= 1, got {self.max_num_queued_requests}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
@@ -224,6 +230,8 @@ class EngineConfig:
         scheduler_kwargs = split["scheduler_config"]
         scheduler_kwargs["max_model_len"] = model_config.max_model_len
         scheduler_config = SchedulerConfig(**scheduler_kwargs)
+        if scheduler_config.async_scheduling is None:
+            scheduler_config.async_scheduling = device_config.is_cuda
         if scheduler_config.max_num_batched_tokens is None:
             default_budget = 8192 if scheduler_config.enable_chunked_prefill else model_config.max_model_len
             scheduler_config.max_num_batched_tokens = max(default_budget, scheduler_config.max_num_seqs)

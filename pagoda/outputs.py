@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,6 +81,14 @@ class ModelRunnerOutput:
         return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
 
 
+class AsyncModelRunnerOutput(ABC):
+    """A step's output whose device-to-host copy may still be in flight."""
+
+    @abstractmethod
+    def get_output(self) -> ModelRunnerOutput:
+        """Wait for the copy (once) and return the step's output."""
+
+
 @dataclass
 class EngineCoreOutput:
     """New tokens of one request in one step, and whether the core finished it."""
@@ -108,6 +117,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None
+    # Why this sample failed (finish_reason "error"); None otherwise.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

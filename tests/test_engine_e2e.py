@@ -21,23 +21,28 @@ from pagoda import LLM, SamplingParams
 MIN_MARGIN = 1e-3
 NEW_TOKENS = 12
 ARCHITECTURES = ["llama3", "qwen2", "qwen3"]
-# (device, attention backend); the CUDA ones run on the GPU machine with `pytest -m gpu`.
+# (device, attention backend, async scheduling); the CUDA ones run on the GPU machine with
+# `pytest -m gpu`. Async scheduling (a batch queue of depth 2) is CUDA's default; on the CPU it
+# runs the same queue logic, with the previous step's ids scattered into the next step's inputs.
 TARGETS = [
-    pytest.param(("cpu", "torch"), id="cpu-torch"),
-    pytest.param(("cuda", "torch"), id="cuda-torch", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "triton"), id="cuda-triton", marks=pytest.mark.gpu),
+    pytest.param(("cpu", "torch", False), id="cpu-torch"),
+    pytest.param(("cpu", "torch", True), id="cpu-torch-async"),
+    pytest.param(("cuda", "torch", True), id="cuda-torch", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "triton", True), id="cuda-triton", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "triton", False), id="cuda-triton-sync", marks=pytest.mark.gpu),
 ]
 
 
 @pytest.fixture(params=TARGETS)
 def target(request) -> dict[str, str]:
-    device, backend = request.param
+    device, backend, async_scheduling = request.param
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     # A fixed, small KV pool: a memory-sized one would take most of the GPU in every test.
     return {
         "device": device,
         "attention_backend": backend,
+        "async_scheduling": async_scheduling,
         "dtype": "float32",
         "max_model_len": 128,
         "num_gpu_blocks": 256,

@@ -31,12 +31,15 @@ NEW_TOKENS = 10
 ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "num_gpu_blocks": 256}
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request) -> str:
-    """For the comparisons with HF: the CPU here, and CUDA (Triton attention) with `pytest -m gpu`."""
+@pytest.fixture(params=["cpu", "cpu-async", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> dict[str, object]:
+    """For the comparisons with HF: the CPU here (also with async scheduling, CUDA's default),
+    and CUDA (Triton attention, async) with `pytest -m gpu`."""
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    return request.param
+    if request.param == "cpu-async":
+        return {"device": "cpu", "async_scheduling": True}
+    return {"device": request.param}
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +80,9 @@ LOGPROB_VARIANTS = {"default": {}, "chunked-prefill-8": {"max_num_batched_tokens
 
 
 @pytest.mark.parametrize("variant", sorted(LOGPROB_VARIANTS))
-def test_logprobs_and_prompt_logprobs_match_hf(tiny_model, device: str, variant: str) -> None:
+def test_logprobs_and_prompt_logprobs_match_hf(tiny_model, device: dict, variant: str) -> None:
     path, hf_model = tiny_model
-    llm = LLM(model=path, **{**ENGINE, "device": device, **LOGPROB_VARIANTS[variant]})
+    llm = LLM(model=path, **{**ENGINE, **device, **LOGPROB_VARIANTS[variant]})
     prompts = make_prompts(1, [1, 6, 23, 37])
     params = [
         SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5, prompt_logprobs=3, ignore_eos=True),
@@ -174,10 +177,10 @@ PENALTY_VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(PENALTY_VARIANTS))
 def test_greedy_under_penalties_bias_and_allowed_tokens_matches_the_reference(
-    tiny_model, device: str, variant: str
+    tiny_model, device: dict, variant: str
 ) -> None:
     path, hf_model = tiny_model
-    llm = LLM(model=path, **{**ENGINE, "device": device, **PENALTY_VARIANTS[variant]})
+    llm = LLM(model=path, **{**ENGINE, **device, **PENALTY_VARIANTS[variant]})
     prompts = make_prompts(4, [9, 14, 20, 5, 31, 11, 17, 26])
     params = [
         SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **settings)

@@ -1,9 +1,11 @@
 """`EngineCore`: the step loop. Schedule, execute, update — nothing else.
 
 The loop is a batch queue: `step()` schedules and submits a batch, then collects the oldest
-batch in flight. At depth 1 (today) that is schedule -> execute -> update; at depth 2 the
-CPU will schedule step N+1 while the device runs step N, and pipeline stages reuse the
-same queue.
+batch in flight. At depth 1 that is schedule -> execute -> update. At depth 2 (async
+scheduling, the default on CUDA) the host schedules and launches step N+1 while the device
+still runs step N, then waits for step N's sampled ids and updates the scheduler with them
+while the device runs step N+1: host work hides behind the device. The scheduler counts
+tokens still in flight, so stops found one step late drop the extra token.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import deque
 from pagoda.config import EngineConfig
 from pagoda.executor.abstract import Executor
 from pagoda.executor.uniproc import UniProcExecutor
-from pagoda.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagoda.outputs import AsyncModelRunnerOutput, EngineCoreOutput, ModelRunnerOutput
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
@@ -29,8 +31,8 @@ class EngineCore:
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
-        self.batch_queue_size = 1
-        self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+        self.batch_queue_size = 2 if config.scheduler_config.async_scheduling else 1
+        self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput | AsyncModelRunnerOutput]] = deque()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -55,9 +57,13 @@ class EngineCore:
             # An empty schedule still travels when it tells the workers to drop requests.
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
                 self.batch_queue.append((scheduler_output, self.executor.execute_model(scheduler_output)))
+                if len(self.batch_queue) < self.batch_queue_size:
+                    return []  # fill the queue before waiting on its oldest batch
         if not self.batch_queue:
             return []
         scheduler_output, model_runner_output = self.batch_queue.popleft()
+        if isinstance(model_runner_output, AsyncModelRunnerOutput):
+            model_runner_output = model_runner_output.get_output()
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
 
     def check_idle(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from pagoda.config import EngineConfig
-from pagoda.outputs import ModelRunnerOutput
+from pagoda.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from pagoda.scheduler.output import SchedulerOutput
 
 
@@ -21,7 +21,7 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput: ...
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -6,7 +6,7 @@ import logging
 
 from pagoda.config import EngineConfig
 from pagoda.executor.abstract import Executor
-from pagoda.outputs import ModelRunnerOutput
+from pagoda.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.worker.worker import Worker
 
@@ -55,7 +55,7 @@ class UniProcExecutor(Executor):
         self.worker.initialize_kv_cache(num_blocks)
         self.worker.compile_or_warm_up_model()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         output = self.worker.execute_model(scheduler_output)
         assert output is not None, "the driver worker always returns an output"
         return output

@@ -23,6 +23,7 @@ from pagoda.sample.metadata import PenaltyMetadata, SamplingMetadata
 from pagoda.sample.sampler import Sampler, SamplerOutput
 from pagoda.sampling_params import MAX_LOGPROBS
 from pagoda.scheduler.output import SchedulerOutput
+from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
 from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
 from pagoda.worker.cuda_graph import CudaGraphManager, CUDAGraphMode, default_capture_sizes
 from pagoda.worker.input_batch import CachedRequestState, InputBatch
@@ -31,6 +32,9 @@ from pagoda.worker.prompt_logprobs import compute_prompt_logprobs, empty_prompt_
 from pagoda.worker.sampling_batch import OFF
 
 logger = logging.getLogger(__name__)
+
+# Written where a sampled token goes until its value reaches the host (async scheduling).
+PLACEHOLDER_TOKEN_ID = -1
 
 
 @dataclass
@@ -45,6 +49,8 @@ class PreparedInputs:
     logits_indices: torch.Tensor
     # Batch rows that sample (their prompt is complete after this step).
     sample_rows: np.ndarray
+    # Their sampling settings, built (and sent) before the forward.
+    sampling_metadata: SamplingMetadata | None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -105,6 +111,16 @@ class GPUModelRunner:
         self.seq_lens = buffer(self.max_num_reqs, torch.int32)
         self.logits_indices = buffer(self.max_num_reqs, torch.int64)
         self.sample_rows = buffer(self.max_num_reqs, torch.int64)
+        # Where the previous step's sampled ids go in this step's input ids (async scheduling).
+        self.prev_sampled_dst = buffer(self.max_num_reqs, torch.int64)
+        self.prev_sampled_src = buffer(self.max_num_reqs, torch.int64)
+        self.async_scheduling = bool(config.scheduler_config.async_scheduling)
+        # The last step's output while its ids may still be only on the device.
+        self._pending_output: AsyncGPUModelRunnerOutput | None = None
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Recorded once a step's host-to-device copies are queued: the pinned staging buffers
+        # above may be rewritten for the next step only after those copies ran.
+        self._inputs_sent = torch.cuda.Event() if device.type == "cuda" else None
         self.cudagraph_manager = self._make_cudagraph_manager(config, device)
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
@@ -352,14 +368,50 @@ class GPUModelRunner:
         self.logits_indices.np[:num_sampled] = cu_num_tokens[sample_rows] - 1
 
         attn_metadata = self._build_attention_metadata(num_input_tokens, num_scheduled, cu_num_tokens, seq_lens)
+        input_ids = self.input_ids.copy_to_gpu(num_input_tokens)
+        self._scatter_prev_sampled(input_ids, num_computed, num_scheduled, cu_num_tokens - num_scheduled)
         return PreparedInputs(
-            input_ids=self.input_ids.copy_to_gpu(num_input_tokens),
+            input_ids=input_ids,
             positions=self.positions.copy_to_gpu(num_input_tokens),
             attn_metadata=attn_metadata,
             num_scheduled_tokens=total,
             logits_indices=self.logits_indices.copy_to_gpu(num_sampled),
             sample_rows=sample_rows,
+            sampling_metadata=self._sampling_metadata(sample_rows),
         )
+
+    def _scatter_prev_sampled(
+        self, input_ids: torch.Tensor, num_computed: np.ndarray, num_scheduled: np.ndarray, first_token: np.ndarray
+    ) -> None:
+        """Copy the previous step's sampled ids, still unknown to the host, into this step's
+        input ids on the device (where the host wrote placeholders)."""
+        pending = self._pending_output
+        if pending is None or pending.resolved:
+            return
+        num = 0
+        for row, req_id in enumerate(self.input_batch.req_ids):
+            index = pending.index_of_req.get(req_id)
+            if index is None:
+                continue
+            offset = int(pending.positions[index]) - int(num_computed[row])
+            if 0 <= offset < num_scheduled[row]:
+                self.prev_sampled_dst.np[num] = first_token[row] + offset
+                self.prev_sampled_src.np[num] = index
+                num += 1
+        if num:
+            assert pending.sampled_token_ids is not None
+            source = pending.sampled_token_ids[self.prev_sampled_src.copy_to_gpu(num)]
+            input_ids.index_copy_(0, self.prev_sampled_dst.copy_to_gpu(num), source)
+
+    def _sampling_metadata(self, sample_rows: np.ndarray) -> SamplingMetadata | None:
+        """Sampling settings of the rows that sample, sent before the forward with the inputs."""
+        if len(sample_rows) == 0:
+            return None
+        rows_device = None
+        if len(sample_rows) != self.input_batch.num_reqs:
+            self.sample_rows.np[: len(sample_rows)] = sample_rows
+            rows_device = self.sample_rows.copy_to_gpu(len(sample_rows))
+        return self.input_batch.sampling_metadata(sample_rows, rows_device)
 
     def _build_attention_metadata(
         self, num_input_tokens: int, num_scheduled: np.ndarray, cu_num_tokens: np.ndarray, seq_lens: np.ndarray
@@ -415,18 +467,16 @@ class GPUModelRunner:
         """Logits only at the positions that sample; partial prefill chunks sample nothing
         (but score their prompt tokens for requests that asked for prompt logprobs)."""
         self._score_prompt_tokens(hidden_states)
-        if len(inputs.sample_rows) == 0:
+        metadata = inputs.sampling_metadata
+        if metadata is None:
             return None
         assert self.model is not None
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-        sample_rows = inputs.sample_rows
-        all_rows_in_order = len(sample_rows) == self.input_batch.num_reqs
-        rows_device = None
-        if not all_rows_in_order:
-            self.sample_rows.np[: len(sample_rows)] = sample_rows
-            rows_device = self.sample_rows.copy_to_gpu(len(sample_rows))
-        metadata = self.input_batch.sampling_metadata(sample_rows, rows_device)
         output = self.sampler(logits, metadata)
+        sample_rows = inputs.sample_rows
+        rows_device = (
+            None if len(sample_rows) == self.input_batch.num_reqs else self.sample_rows.gpu[: len(sample_rows)]
+        )
         self.input_batch.sampling.record_sampled(sample_rows, rows_device, output.sampled_token_ids)
         return output
 
@@ -466,49 +516,97 @@ class GPUModelRunner:
             buffer.ranks[start : start + count] = part.ranks
             first += count
 
-    def _bookkeeping_sync(self, inputs: PreparedInputs, sampler_output: SamplerOutput | None) -> ModelRunnerOutput:
-        """Bring sampled ids (and logprobs) to the host, record them in the batch, and build the output."""
+    def _bookkeeping_sync(
+        self, inputs: PreparedInputs, sampler_output: SamplerOutput | None
+    ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
+        """Record the step in the batch and start the sampled ids' trip to the host.
+
+        The host does not wait for them: each sampled row gets a placeholder token, replaced
+        when the output is resolved (`_record_sampled_tokens`).
+        """
         batch = self.input_batch
         req_ids = list(batch.req_ids)
-        sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
-        logprobs = None
+        if sampler_output is None:
+            return ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={req_id: row for row, req_id in enumerate(req_ids)},
+                sampled_token_ids=[[] for _ in req_ids],
+            )
+        sample_rows = inputs.sample_rows
+        positions = batch.num_tokens[sample_rows].copy()
+        batch.append_sampled_tokens(sample_rows, PLACEHOLDER_TOKEN_ID)
+        for row in sample_rows.tolist():
+            self.requests[req_ids[row]].output_token_ids.append(PLACEHOLDER_TOKEN_ID)
+        # A request's prompt is complete once it samples: deliver its prompt logprobs now, once.
         prompt_logprobs: dict[str, LogprobsArrays] = {}
-        if sampler_output is not None:
-            sampled = sampler_output.sampled_token_ids.cpu().numpy()
-            batch.append_sampled_tokens(inputs.sample_rows, sampled)
-            for row, token_id in zip(inputs.sample_rows.tolist(), sampled.tolist(), strict=True):
-                sampled_token_ids[row] = [token_id]
-                self.requests[req_ids[row]].output_token_ids.append(token_id)
-            if sampler_output.logprobs is not None:
-                logprobs = _by_batch_row(sampler_output.logprobs.to_arrays(), inputs.sample_rows, len(req_ids))
-            # A request's prompt is complete once it samples: deliver its prompt logprobs now, once.
-            sampling = batch.sampling
-            for row in inputs.sample_rows[sampling.num_prompt_logprobs[inputs.sample_rows] >= 0].tolist():
-                state = self.requests[req_ids[row]]
-                assert state.prompt_logprobs is not None
-                prompt_logprobs[state.req_id] = state.prompt_logprobs
-                state.prompt_logprobs = None
-                sampling.num_prompt_logprobs[row] = OFF
-        return ModelRunnerOutput(
+        sampling = batch.sampling
+        for row in sample_rows[sampling.num_prompt_logprobs[sample_rows] >= 0].tolist():
+            state = self.requests[req_ids[row]]
+            assert state.prompt_logprobs is not None
+            prompt_logprobs[state.req_id] = state.prompt_logprobs
+            state.prompt_logprobs = None
+            sampling.num_prompt_logprobs[row] = OFF
+        output = AsyncGPUModelRunnerOutput(
             req_ids=req_ids,
-            req_id_to_index={req_id: row for row, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs,
+            sample_rows=sample_rows,
+            positions=positions,
+            sampled_token_ids=sampler_output.sampled_token_ids,
+            logprobs=sampler_output.logprobs,
             prompt_logprobs=prompt_logprobs,
+            copy_stream=self._copy_stream,
+            on_ready=self._record_sampled_tokens,
         )
+        self._pending_output = output
+        return output
+
+    def _record_sampled_tokens(self, output: AsyncGPUModelRunnerOutput, sampled: np.ndarray) -> None:
+        """Put a resolved step's ids where its placeholders are, wherever its requests now live."""
+        batch = self.input_batch
+        for row, position, token_id in zip(
+            output.sample_rows.tolist(), output.positions.tolist(), sampled.tolist(), strict=True
+        ):
+            req_id = output.req_ids[row]
+            state = self.requests.get(req_id)
+            if state is None:
+                continue  # finished since
+            index = position - len(state.prompt_token_ids)
+            if index < len(state.output_token_ids):
+                state.output_token_ids[index] = token_id
+            now = batch.get_req_index(req_id)
+            if now is not None and position < batch.num_tokens[now]:
+                batch.token_ids_cpu[now, position] = token_id
+
+    def _resolve_pending_output(self) -> None:
+        """Wait for the previous step's ids, for work that needs the host's token history."""
+        if self._pending_output is not None:
+            self._pending_output.get_output()
+            self._pending_output = None
+
+    def _needs_host_history(self) -> bool:
+        """Bad words are matched on the host against the output so far, the last token included."""
+        batch = self.input_batch
+        return bool(batch.sampling.bad_words.present[: batch.num_reqs].any())
 
     @torch.inference_mode()
     def execute_model(
         self, scheduler_output: SchedulerOutput, intermediate_tensors: object | None = None
-    ) -> ModelRunnerOutput:
+    ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
+        """One step. With async scheduling the output's ids may still be in flight; the caller
+        resolves it with `get_output()` (at the latest before the step after next)."""
         if self.kv_connector.can_skip_forward(scheduler_output):
             return self.kv_connector.no_forward(scheduler_output)
+        if self._inputs_sent is not None:
+            self._inputs_sent.synchronize()
         post_model_execute_cb = self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
+        if self._needs_host_history():
+            self._resolve_pending_output()
         # Padding is decided first, so the inputs are written straight at the graph's size.
         _, cudagraph_mode, num_input_tokens = self._determine_batch_execution_and_padding(scheduler_output)
         inputs = self._prepare_inputs(scheduler_output, num_input_tokens)
+        if self._inputs_sent is not None:
+            self._inputs_sent.record()
         self.kv_connector.pre_forward(scheduler_output)
         if cudagraph_mode == CUDAGraphMode.FULL:
             assert self.cudagraph_manager is not None
@@ -520,15 +618,6 @@ class GPUModelRunner:
         output = self._bookkeeping_sync(inputs, sampler_output)
         if post_model_execute_cb is not None:
             post_model_execute_cb()
+        if not self.async_scheduling and isinstance(output, AsyncGPUModelRunnerOutput):
+            return output.get_output()
         return output
-
-
-def _by_batch_row(arrays: LogprobsArrays, sample_rows: np.ndarray, num_rows: int) -> LogprobsArrays:
-    """Logprobs of the sampled rows spread over all batch rows (rows that did not sample stay zero)."""
-
-    def spread(values: np.ndarray) -> np.ndarray:
-        out = np.zeros((num_rows, values.shape[1]), dtype=values.dtype)
-        out[sample_rows] = values
-        return out
-
-    return LogprobsArrays(spread(arrays.token_ids), spread(arrays.logprobs), spread(arrays.ranks))

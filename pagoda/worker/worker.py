@@ -13,7 +13,7 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import init_parallel_state
-from pagoda.outputs import ModelRunnerOutput
+from pagoda.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.worker.gpu_model_runner import GPUModelRunner
 
@@ -112,7 +112,7 @@ class Worker:
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, intermediate_tensors: object | None = None
-    ) -> ModelRunnerOutput | None:
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         assert self.model_runner is not None
         output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
         return output if self.is_driver_worker else None

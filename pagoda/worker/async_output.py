@@ -1,0 +1,99 @@
+"""`AsyncGPUModelRunnerOutput`: a step's sampled tokens on their way to the host.
+
+With async scheduling the engine schedules and prepares step N+1 while the device still runs
+step N, so step N's sampled ids cannot be waited for inside `execute_model`. They are copied
+to pinned host memory on a side stream, behind an event, and the device tensor stays with
+the runner so the next step can scatter the ids into its input ids without the host. The
+engine calls `get_output()` one step later, when the copy is long done; that is also when
+the runner learns the values (its `on_ready` callback replaces the placeholders it wrote).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from pagoda.outputs import AsyncModelRunnerOutput, LogprobsArrays, ModelRunnerOutput
+from pagoda.sample.logprobs import LogprobsTensors
+
+
+class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
+    """Holds the device ids until resolved; `get_output()` waits for the copy once and caches."""
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        sample_rows: np.ndarray,
+        positions: np.ndarray,
+        sampled_token_ids: torch.Tensor,
+        logprobs: LogprobsTensors | None,
+        prompt_logprobs: dict[str, LogprobsArrays],
+        copy_stream: torch.cuda.Stream | None,
+        on_ready: Callable[[AsyncGPUModelRunnerOutput, np.ndarray], None],
+    ) -> None:
+        self.req_ids = req_ids
+        self.sample_rows = sample_rows
+        # Token position each sampled id lands at, per sampled row.
+        self.positions = positions
+        # The device ids, kept until resolved so the next step can read them without the host.
+        self.sampled_token_ids: torch.Tensor | None = sampled_token_ids
+        self.index_of_req = {req_ids[row]: i for i, row in enumerate(sample_rows.tolist())}
+        self._prompt_logprobs = prompt_logprobs
+        self._on_ready = on_ready
+        self._output: ModelRunnerOutput | None = None
+        self._copy_done: torch.cuda.Event | None = None
+        tensors = [sampled_token_ids]
+        if logprobs is not None:
+            tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
+        if copy_stream is None:
+            self._host = [t.cpu() for t in tensors]
+            return
+        copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(copy_stream):
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, device_tensor in zip(self._host, tensors, strict=True):
+                host.copy_(device_tensor, non_blocking=True)
+                device_tensor.record_stream(copy_stream)
+            self._copy_done = torch.cuda.Event()
+            self._copy_done.record(copy_stream)
+
+    @property
+    def resolved(self) -> bool:
+        return self._output is not None
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._output is not None:
+            return self._output
+        if self._copy_done is not None:
+            self._copy_done.synchronize()
+        sampled = self._host[0].numpy()
+        self._on_ready(self, sampled)
+        sampled_token_ids: list[list[int]] = [[] for _ in self.req_ids]
+        for row, token_id in zip(self.sample_rows.tolist(), sampled.tolist(), strict=True):
+            sampled_token_ids[row] = [token_id]
+        logprobs = None
+        if len(self._host) > 1:
+            arrays = LogprobsArrays(*(tensor.numpy() for tensor in self._host[1:]))
+            logprobs = _by_batch_row(arrays, self.sample_rows, len(self.req_ids))
+        self._output = ModelRunnerOutput(
+            req_ids=self.req_ids,
+            req_id_to_index={req_id: row for row, req_id in enumerate(self.req_ids)},
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs,
+        )
+        self.sampled_token_ids = None
+        return self._output
+
+
+def _by_batch_row(arrays: LogprobsArrays, sample_rows: np.ndarray, num_rows: int) -> LogprobsArrays:
+    """Logprobs of the sampled rows spread over all batch rows (rows that did not sample stay zero)."""
+
+    def spread(values: np.ndarray) -> np.ndarray:
+        out = np.zeros((num_rows, values.shape[1]), dtype=values.dtype)
+        out[sample_rows] = values
+        return out
+
+    return LogprobsArrays(spread(arrays.token_ids), spread(arrays.logprobs), spread(arrays.ranks))
