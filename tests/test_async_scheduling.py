@@ -11,11 +11,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from model_utils import save_tiny_checkpoint
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
-from model_utils import save_tiny_checkpoint
 
 ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "block_size": 4}
 
@@ -93,7 +93,7 @@ def test_stop_found_a_step_late_drops_the_extra_token(model_path: str) -> None:
     (free_run,), _ = run(model_path, [prompt], [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
     stop_at = free_run[0][5]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_at])
-    (stopped,), llm = run(model_path, [prompt], [params], async_scheduling=True, num_gpu_blocks=64)
+    (stopped,), _ = run(model_path, [prompt], [params], async_scheduling=True, num_gpu_blocks=64)
     first = free_run[0].index(stop_at)
     assert stopped[0] == free_run[0][: first + 1]
     assert stopped[1] == "stop"
