@@ -1,10 +1,14 @@
-"""CUDA graphs for the model forward, keyed by padded token count.
+"""CUDA graphs for the model forward, keyed by padded token count and batch kind.
 
 A decode step at small batch finishes on the GPU in well under a millisecond, so launching
 hundreds of kernels one by one from Python would dominate it. Each graph replays the whole
-forward (embedding, every layer, final norm) of one padded batch size. The LM head and the
-sampler stay outside: which rows produce logits, and which sampling passes run, change from
-step to step, and their cost is one matmul plus a few kernels.
+forward (embedding, every layer, final norm) of one padded batch. Two kinds share the sizes:
+uniform decode batches (one token per request; attention uses decode tiles and split-K) and
+mixed batches (prefill chunks beside decodes; prefill tiles, no split). The attention kernel
+finds each program's request on the device, so one graph per padded token count serves any
+mix of query lengths. The LM head and the sampler stay outside: which rows produce logits,
+and which sampling passes run, change from step to step, and their cost is one matmul plus a
+few kernels.
 
 All graphs share one memory pool, captured largest first, so the smaller ones reuse the
 larger ones' activation memory.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +31,15 @@ class CUDAGraphMode(enum.Enum):
     FULL = 1  # replay one captured graph of the whole forward
 
 
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """What a captured graph is keyed by: its padded token count and whether every request
+    brings exactly one token."""
+
+    num_tokens: int
+    uniform_decode: bool
+
+
 def default_capture_sizes(max_size: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to max_size (vLLM's spacing, coarser)."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_size]
@@ -34,35 +48,46 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 
 class CudaGraphManager:
-    def __init__(self, capture_sizes: list[int]) -> None:
+    """Decode graphs for every size up to `max_decode_size`, mixed graphs for every size from 2
+    up to `max_mixed_size` (a mixed batch has more tokens than requests)."""
+
+    def __init__(self, capture_sizes: list[int], max_decode_size: int, max_mixed_size: int) -> None:
         if not capture_sizes or min(capture_sizes) < 1:
             raise ValueError(f"cudagraph capture sizes must be positive, got {capture_sizes}")
-        self.capture_sizes = sorted(set(capture_sizes))
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        sizes = sorted(set(capture_sizes))
+        self.decode_sizes = [size for size in sizes if size <= max_decode_size]
+        self.mixed_sizes = [size for size in sizes if 2 <= size <= max_mixed_size]
+        self.graphs: dict[BatchDescriptor, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[BatchDescriptor, torch.Tensor] = {}
+        self.pool: tuple[int, int] | None = None  # created with the first graph
 
     @property
-    def max_size(self) -> int:
-        return self.capture_sizes[-1]
+    def descriptors(self) -> list[BatchDescriptor]:
+        """Every graph to capture, largest first (mixed before decode at equal size)."""
+        keys = [BatchDescriptor(size, False) for size in self.mixed_sizes]
+        keys += [BatchDescriptor(size, True) for size in self.decode_sizes]
+        return sorted(keys, key=lambda key: (key.num_tokens, key.uniform_decode), reverse=True)
 
-    def padded_size(self, num_tokens: int) -> int | None:
-        """The smallest captured size that holds num_tokens, or None (run eagerly)."""
-        for size in self.capture_sizes:
+    def descriptor_for(self, num_tokens: int, uniform_decode: bool) -> BatchDescriptor | None:
+        """The graph of the smallest captured size that holds the batch, or None (run eagerly)."""
+        sizes = self.decode_sizes if uniform_decode else self.mixed_sizes
+        for size in sizes:
             if size >= num_tokens:
-                return size
+                return BatchDescriptor(size, uniform_decode)
         return None
 
-    def capture(self, size: int, forward: Callable[[], torch.Tensor]) -> None:
+    def capture(self, key: BatchDescriptor, forward: Callable[[], torch.Tensor]) -> None:
         """Warm up once (Triton compiles, allocator settles), then record `forward`."""
         forward()
         torch.cuda.synchronize()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[size] = forward()
-        self.graphs[size] = graph
+            self.outputs[key] = forward()
+        self.graphs[key] = graph
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Re-run the graph of `size` on whatever its static input buffers now hold."""
-        self.graphs[size].replay()
-        return self.outputs[size]
+    def replay(self, key: BatchDescriptor) -> torch.Tensor:
+        """Re-run the graph of `key` on whatever its static input buffers now hold."""
+        self.graphs[key].replay()
+        return self.outputs[key]

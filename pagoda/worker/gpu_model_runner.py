@@ -25,7 +25,7 @@ from pagoda.sampling_params import MAX_LOGPROBS
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
 from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
-from pagoda.worker.cuda_graph import CudaGraphManager, CUDAGraphMode, default_capture_sizes
+from pagoda.worker.cuda_graph import BatchDescriptor, CudaGraphManager, CUDAGraphMode, default_capture_sizes
 from pagoda.worker.input_batch import CachedRequestState, InputBatch
 from pagoda.worker.kv_connector.base import KVConnector
 from pagoda.worker.prompt_logprobs import compute_prompt_logprobs, empty_prompt_logprobs, scored_positions
@@ -131,10 +131,9 @@ class GPUModelRunner:
         compilation = config.compilation_config
         if device.type != "cuda" or compilation.enforce_eager or config.device_config.attention_backend != "triton":
             return None
-        limit = min(compilation.max_cudagraph_capture_size, self.max_num_reqs, self.max_num_tokens)
-        sizes = compilation.cudagraph_capture_sizes or default_capture_sizes(limit)
-        sizes = [size for size in sizes if size <= limit]
-        return CudaGraphManager(sizes) if sizes else None
+        limit = min(compilation.max_cudagraph_capture_size, self.max_num_tokens)
+        sizes = [size for size in compilation.cudagraph_capture_sizes or default_capture_sizes(limit) if size <= limit]
+        return CudaGraphManager(sizes, max_decode_size=self.max_num_reqs, max_mixed_size=limit) if sizes else None
 
     def load_model(self) -> None:
         from pagoda.model.loader import get_model
@@ -155,9 +154,10 @@ class GPUModelRunner:
 
     @torch.inference_mode()
     def capture_model(self) -> None:
-        """Capture one graph per size, largest first, on a dummy decode batch of that size.
+        """Capture every graph, largest first, on a dummy batch of its kind and size.
 
-        The dummy batch reads one KV slot per row (the null block) and writes none; replays
+        Decode: one token per row; mixed: one request of all the tokens (any mix replays the
+        same launches). The dummy batch reads only the null block and writes nowhere; replays
         later read the real step's values from the same static buffers.
         """
         if self.cudagraph_manager is None:
@@ -165,39 +165,35 @@ class GPUModelRunner:
         assert self.model is not None
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
-        block_table = self.input_batch.block_table.block_table
-        for size in reversed(self.cudagraph_manager.capture_sizes):
+        keys = self.cudagraph_manager.descriptors
+        for key in keys:
+            size = key.num_tokens
+            num_scheduled = np.ones(size, dtype=np.int64) if key.uniform_decode else np.array([size], dtype=np.int64)
+            cu_num_tokens = np.cumsum(num_scheduled)
             self.input_ids.np[:size] = 0
             self.positions.np[:size] = 0
             self.slot_mapping.np[:size] = -1
-            self.query_start_loc.np[: size + 1] = self._arange[: size + 1]
-            self.seq_lens.np[:size] = 1
-            metadata = AttentionMetadata(
-                num_reqs=size,
-                num_actual_tokens=size,
-                max_query_len=1,
-                max_seq_len=1,
-                block_size=self.block_size,
-                query_start_loc=self.query_start_loc.copy_to_gpu(size + 1),
-                seq_lens=self.seq_lens.copy_to_gpu(size),
-                block_table=block_table[:size],
-                slot_mapping=self.slot_mapping.copy_to_gpu(size),
-                query_start_loc_cpu=self.query_start_loc.cpu[: size + 1],
-                seq_lens_cpu=self.seq_lens.cpu[:size],
+            metadata = self._build_attention_metadata(
+                size, self._graph_rows(size), num_scheduled, cu_num_tokens, num_scheduled
             )
             input_ids, positions = self.input_ids.copy_to_gpu(size), self.positions.copy_to_gpu(size)
             self.cudagraph_manager.capture(
-                size, lambda ids=input_ids, pos=positions, md=metadata: self.model(ids, pos, self.kv_caches, md)
+                key, lambda ids=input_ids, pos=positions, md=metadata: self.model(ids, pos, self.kv_caches, md)
             )
         torch.cuda.synchronize()
         logger.info(
-            "captured %d CUDA graphs (sizes %d-%d) in %.1f s, using %.2f GiB",
-            len(self.cudagraph_manager.capture_sizes),
-            self.cudagraph_manager.capture_sizes[0],
-            self.cudagraph_manager.max_size,
+            "captured %d CUDA graphs (decode sizes up to %d, mixed up to %d) in %.1f s, using %.2f GiB",
+            len(keys),
+            max(self.cudagraph_manager.decode_sizes, default=0),
+            max(self.cudagraph_manager.mixed_sizes, default=0),
             time.perf_counter() - start,
             (free_before - torch.cuda.mem_get_info()[0]) / 2**30,
         )
+
+    def _graph_rows(self, num_tokens: int) -> int:
+        """Request rows of a graph of `num_tokens` tokens: its launch grids are fixed at capture,
+        so every replay pads its rows to this count (zero-length rows past the real ones)."""
+        return min(num_tokens, self.max_num_reqs)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -336,11 +332,14 @@ class GPUModelRunner:
         for kv_cache in self.kv_caches:
             kv_cache.index_fill_(1, index, 0)
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput, num_input_tokens: int) -> PreparedInputs:
+    def _prepare_inputs(
+        self, scheduler_output: SchedulerOutput, num_input_tokens: int, num_rows: int
+    ) -> PreparedInputs:
         """Input ids, positions and attention metadata for this step, vectorized in NumPy.
 
         Tokens past the scheduled ones, up to `num_input_tokens` (a CUDA graph's size), are
-        padding: id 0, position 0, slot -1 (writes nowhere), each in a request row of length 0.
+        padding: id 0, position 0, slot -1 (writes nowhere); request rows past the real ones,
+        up to `num_rows`, have length 0.
         """
         batch = self.input_batch
         num_reqs = batch.num_reqs
@@ -367,7 +366,9 @@ class GPUModelRunner:
         num_sampled = len(sample_rows)
         self.logits_indices.np[:num_sampled] = cu_num_tokens[sample_rows] - 1
 
-        attn_metadata = self._build_attention_metadata(num_input_tokens, num_scheduled, cu_num_tokens, seq_lens)
+        attn_metadata = self._build_attention_metadata(
+            num_input_tokens, num_rows, num_scheduled, cu_num_tokens, seq_lens
+        )
         input_ids = self.input_ids.copy_to_gpu(num_input_tokens)
         self._scatter_prev_sampled(input_ids, num_computed, num_scheduled, cu_num_tokens - num_scheduled)
         return PreparedInputs(
@@ -414,16 +415,17 @@ class GPUModelRunner:
         return self.input_batch.sampling_metadata(sample_rows, rows_device)
 
     def _build_attention_metadata(
-        self, num_input_tokens: int, num_scheduled: np.ndarray, cu_num_tokens: np.ndarray, seq_lens: np.ndarray
+        self,
+        num_input_tokens: int,
+        num_rows: int,
+        num_scheduled: np.ndarray,
+        cu_num_tokens: np.ndarray,
+        seq_lens: np.ndarray,
     ) -> AttentionMetadata:
-        """Block table, slot mapping, query start offsets and sequence lengths (one KV group).
-
-        When the batch is padded to a graph size, so are the request rows: one row per padded
-        token slot, each of length 0, since a graph's launch grids are fixed at capture.
-        """
+        """Block table, slot mapping, query start offsets and sequence lengths (one KV group),
+        for `num_rows` request rows (at least the real ones; the rest have length 0)."""
         num_reqs = len(num_scheduled)
         num_total = int(cu_num_tokens[-1])
-        num_rows = num_input_tokens if num_input_tokens > num_total else num_reqs
         self.query_start_loc.np[0] = 0
         self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
         self.query_start_loc.np[num_reqs + 1 : num_rows + 1] = num_total
@@ -445,19 +447,19 @@ class GPUModelRunner:
 
     def _determine_batch_execution_and_padding(
         self, scheduler_output: SchedulerOutput
-    ) -> tuple[bool, CUDAGraphMode, int]:
-        """(use micro-batches, graph mode, padded token count).
+    ) -> tuple[bool, CUDAGraphMode, BatchDescriptor | None, int, int]:
+        """(use micro-batches, graph mode, graph key, padded token count, request rows).
 
-        A uniform decode batch (one token per request) replays the graph of the nearest
-        captured size above it; everything else runs eagerly, unpadded.
+        A batch replays the graph of its kind (uniform decode or mixed) of the nearest captured
+        size above it; a batch larger than every graph runs eagerly, unpadded.
         """
         num_tokens = scheduler_output.total_num_scheduled_tokens
-        uniform_decode = num_tokens == len(scheduler_output.num_scheduled_tokens)
-        if self.cudagraph_manager is not None and uniform_decode:
-            size = self.cudagraph_manager.padded_size(num_tokens)
-            if size is not None:
-                return False, CUDAGraphMode.FULL, size
-        return False, CUDAGraphMode.NONE, num_tokens
+        num_reqs = len(scheduler_output.num_scheduled_tokens)
+        if self.cudagraph_manager is not None:
+            key = self.cudagraph_manager.descriptor_for(num_tokens, uniform_decode=num_tokens == num_reqs)
+            if key is not None:
+                return False, CUDAGraphMode.FULL, key, key.num_tokens, self._graph_rows(key.num_tokens)
+        return False, CUDAGraphMode.NONE, None, num_tokens, num_reqs
 
     def _model_forward(self, inputs: PreparedInputs) -> torch.Tensor:
         assert self.model is not None
@@ -603,14 +605,16 @@ class GPUModelRunner:
         if self._needs_host_history():
             self._resolve_pending_output()
         # Padding is decided first, so the inputs are written straight at the graph's size.
-        _, cudagraph_mode, num_input_tokens = self._determine_batch_execution_and_padding(scheduler_output)
-        inputs = self._prepare_inputs(scheduler_output, num_input_tokens)
+        _, cudagraph_mode, graph_key, num_input_tokens, num_rows = self._determine_batch_execution_and_padding(
+            scheduler_output
+        )
+        inputs = self._prepare_inputs(scheduler_output, num_input_tokens, num_rows)
         if self._inputs_sent is not None:
             self._inputs_sent.record()
         self.kv_connector.pre_forward(scheduler_output)
         if cudagraph_mode == CUDAGraphMode.FULL:
-            assert self.cudagraph_manager is not None
-            hidden_states = self.cudagraph_manager.replay(num_input_tokens)
+            assert self.cudagraph_manager is not None and graph_key is not None
+            hidden_states = self.cudagraph_manager.replay(graph_key)
         else:
             hidden_states = self._model_forward(inputs)
         self.kv_connector.post_forward(scheduler_output, hidden_states)
