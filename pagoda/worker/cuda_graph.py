@@ -55,6 +55,8 @@ class CudaGraphManager:
         if not capture_sizes or min(capture_sizes) < 1:
             raise ValueError(f"cudagraph capture sizes must be positive, got {capture_sizes}")
         sizes = sorted(set(capture_sizes))
+        self.max_decode_size = max_decode_size
+        self.max_mixed_size = max_mixed_size
         self.decode_sizes = [size for size in sizes if size <= max_decode_size]
         self.mixed_sizes = [size for size in sizes if 2 <= size <= max_mixed_size]
         self.graphs: dict[BatchDescriptor, torch.cuda.CUDAGraph] = {}

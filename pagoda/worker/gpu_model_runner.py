@@ -154,32 +154,13 @@ class GPUModelRunner:
 
     @torch.inference_mode()
     def capture_model(self) -> None:
-        """Capture every graph, largest first, on a dummy batch of its kind and size.
-
-        Decode: one token per row; mixed: one request of all the tokens (any mix replays the
-        same launches). The dummy batch reads only the null block and writes nowhere; replays
-        later read the real step's values from the same static buffers.
-        """
+        """Capture every graph, largest first, over the real KV cache."""
         if self.cudagraph_manager is None:
             return
-        assert self.model is not None
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         keys = self.cudagraph_manager.descriptors
-        for key in keys:
-            size = key.num_tokens
-            num_scheduled = np.ones(size, dtype=np.int64) if key.uniform_decode else np.array([size], dtype=np.int64)
-            cu_num_tokens = np.cumsum(num_scheduled)
-            self.input_ids.np[:size] = 0
-            self.positions.np[:size] = 0
-            self.slot_mapping.np[:size] = -1
-            metadata = self._build_attention_metadata(
-                size, self._graph_rows(size), num_scheduled, cu_num_tokens, num_scheduled
-            )
-            input_ids, positions = self.input_ids.copy_to_gpu(size), self.positions.copy_to_gpu(size)
-            self.cudagraph_manager.capture(
-                key, lambda ids=input_ids, pos=positions, md=metadata: self.model(ids, pos, self.kv_caches, md)
-            )
+        self._capture_graphs(self.cudagraph_manager, keys, self.kv_caches)
         torch.cuda.synchronize()
         logger.info(
             "captured %d CUDA graphs (decode sizes up to %d, mixed up to %d) in %.1f s, using %.2f GiB",
@@ -189,6 +170,70 @@ class GPUModelRunner:
             time.perf_counter() - start,
             (free_before - torch.cuda.mem_get_info()[0]) / 2**30,
         )
+
+    @torch.inference_mode()
+    def profile_cudagraph_memory(self) -> int:
+        """Device bytes the graphs will take, measured before the KV cache exists.
+
+        Captures the largest graph of each kind (their shared pool: the activations) and the
+        two smallest (what each further graph adds) into a scratch manager over a one-block
+        cache, then frees them; the estimate scales the per-graph part to every graph.
+        """
+        manager = self.cudagraph_manager
+        if manager is None:
+            return 0
+        keys = manager.descriptors
+        largest = list(dict.fromkeys([keys[0], *[key for key in keys if key.uniform_decode][:1]]))
+        smallest = [key for key in keys[-2:] if key not in largest]
+        dummy_cache = torch.zeros(
+            (2, 1, self.block_size, self.num_kv_heads, self.head_size), dtype=self.dtype, device=self.device
+        )
+        dummy_caches = [dummy_cache] * self.model_config.num_layers
+
+        def measure(scratch: CudaGraphManager, group: list[BatchDescriptor]) -> int:
+            torch.cuda.synchronize()
+            free_before = torch.cuda.mem_get_info()[0]
+            self._capture_graphs(scratch, group, dummy_caches)
+            torch.cuda.synchronize()
+            return free_before - torch.cuda.mem_get_info()[0]
+
+        scratch = CudaGraphManager(
+            manager.decode_sizes + manager.mixed_sizes, manager.max_decode_size, manager.max_mixed_size
+        )
+        pool_and_first = measure(scratch, largest)
+        per_graph = measure(scratch, smallest) / len(smallest) if smallest else 0
+        del scratch
+        torch.cuda.empty_cache()
+        return int(pool_and_first + per_graph * (len(keys) - len(largest)))
+
+    def _capture_graphs(
+        self, manager: CudaGraphManager, keys: list[BatchDescriptor], kv_caches: list[torch.Tensor]
+    ) -> None:
+        """Capture `keys` on dummy batches of their kind and size.
+
+        Decode: one token per row; mixed: requests of up to max_model_len tokens (any mix
+        replays the same launches). The dummy batch reads only the null block and writes
+        nowhere; replays later read the real step's values from the same static buffers.
+        """
+        assert self.model is not None
+        model = self.model
+        for key in keys:
+            size = key.num_tokens
+            if key.uniform_decode:
+                num_scheduled = np.ones(size, dtype=np.int64)
+            else:
+                chunk = min(size, self.max_model_len)
+                num_scheduled = np.full(cdiv(size, chunk), chunk, dtype=np.int64)
+                num_scheduled[-1] = size - chunk * (len(num_scheduled) - 1)
+            cu_num_tokens = np.cumsum(num_scheduled)
+            self.input_ids.np[:size] = 0
+            self.positions.np[:size] = 0
+            self.slot_mapping.np[:size] = -1
+            metadata = self._build_attention_metadata(
+                size, self._graph_rows(size), num_scheduled, cu_num_tokens, num_scheduled
+            )
+            input_ids, positions = self.input_ids.copy_to_gpu(size), self.positions.copy_to_gpu(size)
+            manager.capture(key, lambda ids=input_ids, pos=positions, md=metadata: model(ids, pos, kv_caches, md))
 
     def _graph_rows(self, num_tokens: int) -> int:
         """Request rows of a graph of `num_tokens` tokens: its launch grids are fixed at capture,

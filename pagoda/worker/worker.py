@@ -68,9 +68,10 @@ class Worker:
     def determine_available_memory(self) -> int:
         """Bytes the KV cache may take on this device.
 
-        CUDA: total x gpu_memory_utilization minus the peak of a profile run (which already
-        includes the weights) and the memory held outside torch's allocator. CPU: the
-        configured `cpu_kv_cache_gib`.
+        CUDA: total x gpu_memory_utilization minus the peak of a profile run (weights and
+        the largest batch's activations, sampler included), the memory held outside torch's
+        allocator, and what the CUDA graphs will take (measured on scratch captures). CPU:
+        the configured `cpu_kv_cache_gib`.
         """
         assert self.model_runner is not None
         if not self.device_config.is_cuda:
@@ -83,18 +84,20 @@ class Worker:
         free, total = torch.cuda.mem_get_info()
         peak = torch.cuda.max_memory_allocated()
         non_torch = (total - free) - torch.cuda.memory_reserved()
-        available = int(total * self.cache_config.gpu_memory_utilization - peak - non_torch)
+        torch.cuda.empty_cache()
+        graphs = self.model_runner.profile_cudagraph_memory()
+        available = int(total * self.cache_config.gpu_memory_utilization - peak - non_torch - graphs)
         logger.info(
             "memory: total %.2f GiB x utilization %.2f; weights %.2f GiB, peak activations %.2f GiB, "
-            "non-torch %.2f GiB; KV cache gets %.2f GiB (CUDA graphs come out of the remaining headroom)",
+            "non-torch %.2f GiB, CUDA graphs %.2f GiB (estimated); KV cache gets %.2f GiB",
             total / GiB,
             self.cache_config.gpu_memory_utilization,
             weights / GiB,
             (peak - weights) / GiB,
             non_torch / GiB,
+            graphs / GiB,
             available / GiB,
         )
-        torch.cuda.empty_cache()
         return available
 
     def get_kv_cache_block_bytes(self) -> int:
