@@ -1,6 +1,7 @@
 """`pagoda bench serve` (an OpenAI-compatible server over HTTP), `pagoda bench offline` (the
-same workload through the engine in-process) and `pagoda bench throughput` (a fixed offline
-workload, optionally beside HF transformers), registered without importing any of them."""
+same workload through the engine in-process), `pagoda bench throughput` (a fixed offline
+workload) and `pagoda bench latency` (decode and prefill times beside their floors), the last
+two optionally beside HF transformers; registered without importing any of them."""
 
 from __future__ import annotations
 
@@ -44,7 +45,35 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--peer", choices=["none", "hf"], default="none")
+    parser.add_argument(
+        "--peer",
+        choices=["none", "hf"],
+        default="none",
+        help="hf: transformers generate (random workload) or continuous batching (nanobench)",
+    )
+    parser.add_argument(
+        "--peer-num-prompts", type=int, default=None, help="run the peer (and Pagoda again) on the first K requests"
+    )
+    parser.add_argument("--result-json", default=None, help="also write the figures to this file")
+
+
+def add_latency_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory, .gguf file or dummy shape (qwen3-0.6b, ...)")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of each decode request")
+    parser.add_argument("--output-len", type=int, default=128, help="N: decode time is taken over N - 1 tokens")
+    parser.add_argument("--prefill-lens", type=int, nargs="+", default=[1024, 8192], help="prefill prompt lengths")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="default: the longest prefill (one chunk)"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (median)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
+    parser.add_argument("--peer", choices=["none", "hf"], default="none", help="hf: HF generate, static cache")
+    parser.add_argument("--result-json", default=None, help="also write the figures to this file")
 
 
 def add_bench_parser(
@@ -93,3 +122,16 @@ def add_bench_parser(
         return 0
 
     throughput.set_defaults(func=run_throughput_bench)
+
+    latency = kinds.add_parser(
+        "latency", help="decode per token and prefill time beside their floors, optionally beside HF generate"
+    )
+    add_latency_args(latency)
+
+    def run_latency_bench(args: argparse.Namespace) -> int:
+        from pagoda.benchmarks.latency import run
+
+        run(args)
+        return 0
+
+    latency.set_defaults(func=run_latency_bench)

@@ -3,6 +3,7 @@ benchmarks and the numerical reference in tests."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -26,8 +27,22 @@ def load_hf_from_gguf(path: str, dtype: torch.dtype = torch.float32) -> tuple[Pr
     return config, model.to(dtype).eval(), tensors
 
 
-def load_hf_model(model: str, load_format: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The HF model for a Pagoda model path (an HF directory or a .gguf file), in eval mode."""
+def load_hf_model(model: str, load_format: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """The HF model for a resolved Pagoda model (an HF directory, a .gguf file, or a dummy shape
+    name or directory), in eval mode on `device`. Dummy models get the same config and HF's own
+    random weights, built on the device (an 8B model initialised on the CPU takes minutes)."""
+    if load_format == "dummy":
+        from pagoda.model.loader import load_hf_config
+
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(load_hf_config(model, "dummy"), dtype=dtype).eval()
     if load_format == "gguf":
-        return load_hf_from_gguf(model, dtype)[1]
-    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+        return load_hf_from_gguf(model, dtype)[1].to(device)
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+
+
+def free_device_memory() -> None:
+    """Return the memory of engines just dropped (their KV cache, graphs) before a peer loads."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,152 @@
+"""The physical floor of a benchmark figure: bytes the GPU must read over the copy bandwidth,
+and FLOPs it must compute over the matmul rate, both measured on the same device in the same
+run. The byte and FLOP counts are pure functions of the model's shape, so they can be checked
+by hand (Llama-3.1-8B in bf16 reads 15.0 GB of weights per decode step)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts and attention sizes: what a forward pass reads and computes. The input
+    embedding is left out of the counts: each token reads one row of it, never all of it."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    # Everything but the input embedding and the LM head: decoder layers and the final norm.
+    body_params: int
+    lm_head_params: int
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """K and V values one token keeps in the cache, over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def model_shape(hf_config: PretrainedConfig) -> ModelShape:
+    """Counted on the meta device from the HF model class, so every bias and norm is included."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    unique = {id(p): p.numel() for p in model.parameters()}
+    embedding = model.get_input_embeddings().weight
+    lm_head = model.get_output_embeddings().weight
+    tied = lm_head is embedding
+    body = sum(unique.values()) - embedding.numel() - (0 if tied else lm_head.numel())
+    num_heads = hf_config.num_attention_heads
+    return ModelShape(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+        body_params=body,
+        lm_head_params=lm_head.numel(),
+    )
+
+
+def weight_bytes_per_step(shape: ModelShape, num_tokens: int, dtype_bytes: int) -> int:
+    """Weights one forward pass reads: the body and LM head once, one embedding row per token."""
+    return (shape.body_params + shape.lm_head_params + num_tokens * shape.hidden_size) * dtype_bytes
+
+
+def kv_bytes(shape: ModelShape, num_tokens: int, dtype_bytes: int) -> int:
+    """Bytes of K and V cached for `num_tokens` tokens."""
+    return num_tokens * shape.kv_values_per_token * dtype_bytes
+
+
+def attention_flops(shape: ModelShape, num_query_key_pairs: int) -> int:
+    """QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add, per head and layer."""
+    return 4 * shape.num_layers * shape.num_heads * shape.head_dim * num_query_key_pairs
+
+
+@dataclass(frozen=True)
+class Work:
+    bytes_read: int
+    flops: int
+
+
+def decode_step_work(shape: ModelShape, context_lens: list[int], dtype_bytes: int) -> Work:
+    """One decode step of a batch whose requests attend over `context_lens` tokens each."""
+    batch = len(context_lens)
+    total_context = sum(context_lens)
+    return Work(
+        bytes_read=weight_bytes_per_step(shape, batch, dtype_bytes) + kv_bytes(shape, total_context, dtype_bytes),
+        flops=2 * (shape.body_params + shape.lm_head_params) * batch + attention_flops(shape, total_context),
+    )
+
+
+def prefill_work(shape: ModelShape, prompt_len: int, chunk_size: int, dtype_bytes: int) -> Work:
+    """A prompt prefilled in chunks of `chunk_size` tokens, logits for its last token only.
+
+    Each chunk reads the weights once and the cached K/V of the chunks before it (a single
+    chunk reads none); attention is causal, so token i attends over i + 1 keys."""
+    chunk_starts = range(0, prompt_len, chunk_size)
+    weight_reads = len(chunk_starts) * weight_bytes_per_step(shape, 0, dtype_bytes)
+    embedding_rows = prompt_len * shape.hidden_size * dtype_bytes
+    return Work(
+        bytes_read=weight_reads + embedding_rows + sum(kv_bytes(shape, start, dtype_bytes) for start in chunk_starts),
+        flops=2 * shape.body_params * prompt_len
+        + 2 * shape.lm_head_params
+        + attention_flops(shape, prompt_len * (prompt_len + 1) // 2),
+    )
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+
+    def floor_seconds(self, work: Work) -> float:
+        """The slower of reading every byte and computing every FLOP at the measured rates."""
+        return max(work.bytes_read / self.copy_bytes_per_s, work.flops / self.matmul_flops_per_s)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_seconds(device: torch.device, fn, iters: int) -> float:
+    """Fastest of `iters` timed calls after one warm-up call."""
+    fn()
+    _synchronize(device)
+    best = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_copy_bandwidth(device: torch.device, num_bytes: int, iters: int = 10) -> float:
+    """Bytes read plus bytes written per second by a device-to-device copy of `num_bytes`."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    seconds = _best_seconds(device, lambda: dst.copy_(src), iters)
+    return 2 * num_bytes / seconds
+
+
+def measure_matmul_rate(device: torch.device, dtype: torch.dtype, n: int, iters: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype`."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    seconds = _best_seconds(device, lambda: torch.matmul(a, b, out=out), iters)
+    return 2 * n**3 / seconds
+
+
+def measure_device_rates(device: torch.device, dtype: torch.dtype) -> DeviceRates:
+    """Sized for a datacenter GPU (1 GiB copy, 8192^3 matmul); sized down on the CPU."""
+    if device.type == "cuda":
+        return DeviceRates(measure_copy_bandwidth(device, 1 << 30), measure_matmul_rate(device, dtype, 8192))
+    return DeviceRates(measure_copy_bandwidth(device, 64 << 20, 5), measure_matmul_rate(device, dtype, 512, 5))
