@@ -1,19 +1,58 @@
-"""`pagoda bench throughput` runs its workload end to end and reports every output token."""
+"""`pagoda bench throughput` runs its workload end to end and reports every output token; its HF
+peers (one padded `generate` batch, and continuous batching) run the same requests."""
 
 from __future__ import annotations
 
-from pagoda.benchmarks.throughput import nanobench_workload
+import json
+
+import torch
+from model_utils import TINY_CONFIGS
+from transformers import AutoModelForCausalLM
+
+from pagoda.benchmarks.throughput import Workload, nanobench_workload, run_hf
 from pagoda.entrypoints.cli import main
+
+# A dummy model of a real shape: the workload's token ids (100..9999) fit its vocabulary.
+SMALL = ["--model", "smollm2-135m", "--load-format", "dummy", "--device", "cpu"]
+SMALL += ["--num-prompts", "3", "--min-prompt-len", "4", "--max-prompt-len", "20", "--output-len", "5"]
 
 
 def test_bench_throughput_prints_the_table(capsys) -> None:
-    # A dummy model of a real shape: the workload's token ids (100..9999) fit its vocabulary.
-    argv = ["bench", "throughput", "--model", "smollm2-135m", "--load-format", "dummy", "--device", "cpu"]
-    argv += ["--num-prompts", "3", "--min-prompt-len", "4", "--max-prompt-len", "20", "--output-len", "5"]
-    assert main(argv) == 0
+    assert main(["bench", "throughput", *SMALL]) == 0
     out = capsys.readouterr().out
     assert "3 prompts" in out and "15 output tokens" in out
-    assert out.strip().splitlines()[-1].split()[0] == "pagoda"
+    assert out.strip().splitlines()[-1].split()[:4] == ["pagoda", "all", "of", "3"]
+
+
+def test_bench_throughput_runs_the_hf_peer_on_a_labelled_subset(tmp_path, capsys) -> None:
+    result_json = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", *SMALL, "--peer", "hf", "--peer-num-prompts", "2"]
+    assert main([*argv, "--result-json", str(result_json)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.strip().splitlines()[-3:]]
+    assert rows[0][:5] == ["pagoda", "all", "of", "3", "15"]
+    assert rows[1][:6] == ["pagoda", "first", "2", "of", "3", "10"]
+    assert rows[2][:6] == ["hf-generate", "first", "2", "of", "3", "10"]
+    measurements = json.loads(result_json.read_text())["measurements"]
+    assert [(m["engine"], m["requests"], m["output_tokens"]) for m in measurements] == [
+        ("pagoda", 3, 15),
+        ("pagoda", 2, 10),
+        ("hf-generate", 2, 10),
+    ]
+    assert all(m["seconds"] > 0 and m["output_tok_per_s"] > 0 for m in measurements)
+
+
+def test_bench_throughput_rejects_a_peer_subset_larger_than_the_workload(capsys) -> None:
+    assert main(["bench", "throughput", *SMALL, "--peer", "hf", "--peer-num-prompts", "4"]) == 2
+    assert "--peer-num-prompts must be in [1, 3]" in capsys.readouterr().err
+
+
+def test_hf_continuous_batching_peer_gives_each_request_its_own_length() -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS["qwen3"], dtype=torch.float32).eval()
+    # Sampled at temperature 0.6 like nanobench, so EOS-like tokens come up and must not stop anything.
+    workload = Workload(prompts=[[1, 2, 3], [7] * 20, [9] * 11, [4] * 40], output_lens=[3, 17, 1, 9], temperature=0.6)
+    engine, seconds = run_hf(model, workload)  # fails inside if a request's token count differs
+    assert engine == "hf-cb" and seconds > 0
 
 
 def test_nanobench_workload_is_the_published_one() -> None:
@@ -22,3 +61,5 @@ def test_nanobench_workload_is_the_published_one() -> None:
     assert workload.num_output_tokens == 133_966
     assert all(100 <= len(p) <= 1024 for p in workload.prompts)
     assert workload.temperature == 0.6
+    head = workload.head(32)
+    assert head.prompts == workload.prompts[:32] and head.output_lens == workload.output_lens[:32]

@@ -5,15 +5,20 @@ Workloads: `random` (N prompts of random lengths, one output length, greedy) and
 output lengths uniform in [100, 1024], temperature 0.6, Python `random.seed(0)` drawing
 the prompts first, then the output lengths: 133,966 output tokens).
 
-With `--peer hf` the same prompts run through Hugging Face transformers `generate` (one
-padded batch, greedy, exactly the same number of new tokens) in the same process, so the
-two figures come from the same machine and moment.
+With `--peer hf` the same prompts run through Hugging Face transformers in the same process,
+so the figures come from the same machine and moment: `generate` on one padded batch for
+`random` (greedy, exactly the same number of new tokens), its continuous batching for
+`nanobench` (each request's own number of new tokens, temperature 0.6). `--peer-num-prompts K`
+runs the peer on the first K requests only (the full nanobench takes HF about 4 minutes on an
+H200), and Pagoda on those K again, both rows labelled with the subset.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -22,7 +27,8 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.benchmarks.cli_args import add_throughput_args
-from pagoda.benchmarks.hf_peer import load_hf_model
+from pagoda.benchmarks.hf_peer import free_device_memory, load_hf_model
+from pagoda.config import ConfigError
 
 
 @dataclass
@@ -38,6 +44,10 @@ class Workload:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    def head(self, num_requests: int) -> Workload:
+        """The first `num_requests` requests."""
+        return Workload(self.prompts[:num_requests], self.output_lens[:num_requests], self.temperature)
 
     def sampling_params(self) -> list[SamplingParams]:
         return [SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in self.output_lens]
@@ -69,16 +79,17 @@ def run_pagoda(llm: LLM, workload: Workload) -> float:
     return elapsed
 
 
-def run_hf(model_path: str, load_format: str, workload: Workload, dtype: torch.dtype, device: str) -> float:
+def run_hf_generate(model: torch.nn.Module, workload: Workload) -> float:
     """HF `generate` on one padded batch: needs one output length for all, and greedy."""
     output_len = workload.output_lens[0]
     if set(workload.output_lens) != {output_len} or workload.temperature != 0.0:
         raise ValueError("the HF generate peer runs the greedy fixed-length workload (--workload random)")
-    model = load_hf_model(model_path, load_format, dtype).to(device)
     longest = max(len(p) for p in workload.prompts)
     pad = 0
-    input_ids = torch.tensor([[pad] * (longest - len(p)) + p for p in workload.prompts], device=device)
-    attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in workload.prompts], device=device)
+    input_ids = torch.tensor([[pad] * (longest - len(p)) + p for p in workload.prompts], device=model.device)
+    attention_mask = torch.tensor(
+        [[0] * (longest - len(p)) + [1] * len(p) for p in workload.prompts], device=model.device
+    )
     kwargs = dict(
         do_sample=False,
         max_new_tokens=output_len,
@@ -98,6 +109,67 @@ def run_hf(model_path: str, load_format: str, workload: Workload, dtype: torch.d
     return elapsed
 
 
+HF_CB_PAGE_TOKENS = 256  # tokens per KV page of transformers' continuous batching (its default)
+
+
+def run_hf_continuous_batching(model: torch.nn.Module, workload: Workload) -> float:
+    """transformers' `ContinuousBatchingManager` (the API of transformers 5.17 and later): every
+    request with its own `max_new_tokens`, EOS disabled (`eos_token_id=-1`, like ignore_eos),
+    plain temperature sampling (top-k and top-p off, as in Pagoda's SamplingParams). On CUDA the
+    manager sizes its cache and CUDA graphs itself; on the CPU its cache is sized to the workload
+    (sizing from free memory there needs psutil and reserves far more than a test needs)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    if workload.temperature > 0:
+        sampling = dict(do_sample=True, temperature=workload.temperature, top_k=0, top_p=1.0)
+    else:
+        sampling = dict(do_sample=False)
+    generation_config = GenerationConfig(**sampling, max_new_tokens=max(workload.output_lens), eos_token_id=-1)
+    if model.device.type == "cuda":
+        cb_config = ContinuousBatchingConfig()
+    else:
+        pages = sum(
+            math.ceil((len(p) + n) / HF_CB_PAGE_TOKENS)
+            for p, n in zip(workload.prompts, workload.output_lens, strict=True)
+        )
+        cb_config = ContinuousBatchingConfig(num_blocks=pages + len(workload.prompts))
+
+    def run_to_completion(manager, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+        request_ids = [
+            manager.add_request(prompt, max_new_tokens=n, eos_token_id=-1)
+            for prompt, n in zip(prompts, output_lens, strict=True)
+        ]
+        finished = {}
+        while len(finished) < len(request_ids):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching thread stopped before finishing")
+            elif result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"transformers' continuous batching failed a request: {result.error}")
+                finished[result.request_id] = result.generated_tokens
+        return [finished[request_id] for request_id in request_ids]
+
+    with model.continuous_batching_context_manager(
+        generation_config=generation_config, continuous_batching_config=cb_config, block=True, timeout=5
+    ) as manager:
+        run_to_completion(manager, workload.prompts[:2], [16, 16])  # warm-up
+        start = time.perf_counter()
+        outputs = run_to_completion(manager, workload.prompts, workload.output_lens)
+        elapsed = time.perf_counter() - start
+    assert [len(tokens) for tokens in outputs] == workload.output_lens
+    return elapsed
+
+
+def run_hf(model: torch.nn.Module, workload: Workload) -> tuple[str, float]:
+    """The HF peer that fits the workload: one padded `generate` batch for the greedy
+    fixed-length one, continuous batching for anything with per-request lengths or sampling."""
+    if workload.temperature == 0.0 and len(set(workload.output_lens)) == 1:
+        return "hf-generate", run_hf_generate(model, workload)
+    return "hf-cb", run_hf_continuous_batching(model, workload)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_throughput_args(parser)
@@ -107,13 +179,49 @@ def main(argv: list[str] | None = None) -> None:
     run(args)
 
 
-def run(args: argparse.Namespace) -> None:
+@dataclass
+class Measurement:
+    engine: str
+    workload: Workload
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return {
+            "engine": self.engine,
+            "requests": len(self.workload.prompts),
+            "prompt_tokens": self.workload.num_prompt_tokens,
+            "output_tokens": self.workload.num_output_tokens,
+            "seconds": self.seconds,
+            "output_tok_per_s": self.workload.num_output_tokens / self.seconds,
+            "total_tok_per_s": (self.workload.num_prompt_tokens + self.workload.num_output_tokens) / self.seconds,
+        }
+
+
+def format_table(measurements: list[Measurement], num_requests: int) -> str:
+    lines = [
+        f"{'engine':<14} {'requests':>16} {'output tokens':>13} {'seconds':>8} {'output tok/s':>13} {'total tok/s':>12}"
+    ]
+    for m in measurements:
+        row = m.as_dict()
+        requests = "all" if row["requests"] == num_requests else f"first {row['requests']}"
+        lines.append(
+            f"{m.engine:<14} {requests + f' of {num_requests}':>16} {row['output_tokens']:>13} {m.seconds:>8.2f} "
+            f"{row['output_tok_per_s']:>13.1f} {row['total_tok_per_s']:>12.1f}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> list[Measurement]:
     if args.workload == "nanobench":
         workload = nanobench_workload(args.num_prompts or 256)
     else:
         workload = random_workload(
             args.num_prompts or 32, args.min_prompt_len, args.max_prompt_len, args.output_len, args.seed
         )
+    num_requests = len(workload.prompts)
+    if args.peer_num_prompts is not None and not 1 <= args.peer_num_prompts <= num_requests:
+        raise ConfigError(f"--peer-num-prompts must be in [1, {num_requests}] (the workload's requests)")
+    peer_workload = workload.head(args.peer_num_prompts or num_requests)
     start = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -125,20 +233,28 @@ def run(args: argparse.Namespace) -> None:
     print(f"pagoda startup (load, profile, graphs): {time.perf_counter() - start:.1f} s", flush=True)
     model_config = llm.llm_engine.config.model_config
     device = llm.llm_engine.config.device_config.device
-    rows = [("pagoda", run_pagoda(llm, workload))]
-    print(f"pagoda: {rows[0][1]:.2f} s", flush=True)
-    del llm  # free its KV cache before the peer loads
+    measurements = [Measurement("pagoda", workload, run_pagoda(llm, workload))]
+    print(f"pagoda: {measurements[0].seconds:.2f} s", flush=True)
+    if args.peer == "hf" and len(peer_workload.prompts) < num_requests:
+        # Pagoda on the peer's subset too, so the two compare on the same requests.
+        measurements.append(Measurement("pagoda", peer_workload, run_pagoda(llm, peer_workload)))
+    del llm
+    free_device_memory()  # the engine's KV cache and graphs, before the peer loads
     if args.peer == "hf":
-        hf_seconds = run_hf(model_config.model, model_config.load_format, workload, model_config.dtype, device)
-        rows.append(("hf-transformers", hf_seconds))
+        hf_model = load_hf_model(model_config.model, model_config.load_format, model_config.dtype, device)
+        engine, seconds = run_hf(hf_model, peer_workload)
+        measurements.append(Measurement(engine, peer_workload, seconds))
+        del hf_model
+        free_device_memory()
     print(
-        f"workload: {len(workload.prompts)} prompts, {workload.num_prompt_tokens} prompt tokens, "
+        f"workload {args.workload}: {num_requests} prompts, {workload.num_prompt_tokens} prompt tokens, "
         f"{workload.num_output_tokens} output tokens; torch threads {torch.get_num_threads()}"
     )
-    print(f"{'engine':<16} {'seconds':>8} {'output tok/s':>13} {'total tok/s':>12}")
-    for name, seconds in rows:
-        total = workload.num_prompt_tokens + workload.num_output_tokens
-        print(f"{name:<16} {seconds:>8.2f} {workload.num_output_tokens / seconds:>13.1f} {total / seconds:>12.1f}")
+    print(format_table(measurements, num_requests))
+    if args.result_json:
+        with open(args.result_json, "w") as file:
+            json.dump({"workload": args.workload, "measurements": [m.as_dict() for m in measurements]}, file, indent=2)
+    return measurements
 
 
 if __name__ == "__main__":
