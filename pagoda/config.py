@@ -109,6 +109,9 @@ class CacheConfig:
     # Zero KV blocks whose contents died (freed uncached, or evicted from the prefix cache), so
     # no request can ever read another's stale keys and values, at the cost of one write per block.
     zero_freed_blocks: bool = False
+    # Allocate the weights and the KV cache as tagged memory that sleep mode can release and
+    # restore in place (CUDA virtual memory on a GPU; see pagoda/worker/tagged_memory.py).
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

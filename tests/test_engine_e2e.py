@@ -83,6 +83,8 @@ ENGINE_VARIANTS = {
     "no-prefix-caching": {"enable_prefix_caching": False},
     "tiny-kv-pool-preempts": {"num_gpu_blocks": 24, "block_size": 4},
     "no-chunked-prefill": {"enable_chunked_prefill": False, "max_num_batched_tokens": 128},
+    # Weights and KV cache in tagged memory (CUDA virtual memory on the GPU), as sleep mode needs.
+    "sleep-mode-memory": {"enable_sleep_mode": True},
 }
 
 

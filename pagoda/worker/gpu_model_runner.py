@@ -30,6 +30,7 @@ from pagoda.worker.input_batch import CachedRequestState, InputBatch
 from pagoda.worker.kv_connector.base import KVConnector
 from pagoda.worker.prompt_logprobs import compute_prompt_logprobs, empty_prompt_logprobs, scored_positions
 from pagoda.worker.sampling_batch import OFF
+from pagoda.worker.tagged_memory import TaggedMemoryPool
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,11 @@ def cdiv(a: int, b: int) -> int:
 
 
 class GPUModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, memory_pool: TaggedMemoryPool | None = None) -> None:
         self.config = config
+        # Where the weights ("weights") and the KV cache ("kv_cache") live when sleep mode may
+        # release them; None: plain torch allocations.
+        self.memory_pool = memory_pool
         self.model_config = config.model_config
         self.cache_config = config.cache_config
         self.scheduler_config = config.scheduler_config
@@ -139,6 +143,8 @@ class GPUModelRunner:
         from pagoda.model.loader import get_model
 
         self.model = get_model(self.model_config, self.attn_backend, self.device)
+        if self.memory_pool is not None:
+            self.memory_pool.pack_module(self.model, "weights")
 
     def get_kv_cache_block_bytes(self) -> int:
         """Bytes one KV block takes across all layers (K and V)."""
@@ -148,8 +154,12 @@ class GPUModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        pool = self.memory_pool
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model_config.num_layers)
+            pool.allocate("kv_cache", shape, self.dtype)
+            if pool is not None
+            else torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.model_config.num_layers)
         ]
 
     @torch.inference_mode()

@@ -16,6 +16,7 @@ from pagoda.distributed.parallel_state import init_parallel_state
 from pagoda.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.worker.gpu_model_runner import GPUModelRunner
+from pagoda.worker.tagged_memory import TaggedMemoryPool
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class Worker:
         # Pipeline stages that are not last hand hidden states on instead of sampling.
         self.return_hidden_states = return_hidden_states
         self.model_runner: GPUModelRunner | None = None
+        self.memory_pool: TaggedMemoryPool | None = None
         self.device: torch.device | None = None
 
     def init_device(self) -> None:
@@ -59,7 +61,9 @@ class Worker:
             torch.set_flush_denormal(True)
         init_parallel_state(tp_rank=self.rank, tp_size=self.parallel_config.tensor_parallel_size)
         torch.manual_seed(self.config.model_config.seed)
-        self.model_runner = GPUModelRunner(self.config, self.device)
+        # Weights and KV cache in tagged memory only when sleep mode may release them.
+        self.memory_pool = TaggedMemoryPool(self.device) if self.cache_config.enable_sleep_mode else None
+        self.model_runner = GPUModelRunner(self.config, self.device, self.memory_pool)
 
     def load_model(self) -> None:
         assert self.model_runner is not None
@@ -78,12 +82,15 @@ class Worker:
             return int(self.cache_config.cpu_kv_cache_gib * GiB)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        weights = torch.cuda.memory_allocated()  # the model and the runner's static buffers
+        # The model and the runner's static buffers; tagged weights live outside torch's
+        # allocator and so count as non-torch memory below.
+        tagged_weights = self.memory_pool.nbytes("weights") if self.memory_pool is not None else 0
+        weights = torch.cuda.memory_allocated() + tagged_weights
         self.model_runner.profile_run()
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         peak = torch.cuda.max_memory_allocated()
-        non_torch = (total - free) - torch.cuda.memory_reserved()
+        non_torch = (total - free) - torch.cuda.memory_reserved()  # includes the tagged weights
         torch.cuda.empty_cache()
         graphs = self.model_runner.profile_cudagraph_memory()
         available = int(total * self.cache_config.gpu_memory_utilization - peak - non_torch - graphs)
@@ -93,8 +100,8 @@ class Worker:
             total / GiB,
             self.cache_config.gpu_memory_utilization,
             weights / GiB,
-            (peak - weights) / GiB,
-            non_torch / GiB,
+            (peak + tagged_weights - weights) / GiB,
+            (non_torch - tagged_weights) / GiB,
             graphs / GiB,
             available / GiB,
         )
