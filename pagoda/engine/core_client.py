@@ -23,6 +23,7 @@ import zmq.asyncio
 from pagoda.config import EngineConfig
 from pagoda.engine.core_messages import CommandKind, CoreCommand, CoreFailed, CoreReady, CoreReport
 from pagoda.engine.core_proc import open_socket, run_engine_core, send
+from pagoda.engine.errors import EngineDeadError
 from pagoda.outputs import EngineCoreOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import SchedulerStats
@@ -31,10 +32,6 @@ logger = logging.getLogger(__name__)
 
 # Between two looks at whether the core process still lives, while waiting for it.
 LIVENESS_POLL_MS = 200
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process died; nothing more can be served."""
 
 
 class EngineCoreClient:
@@ -60,6 +57,10 @@ class EngineCoreClient:
         self.idle_check_answers: dict[int, str | None] = {}
         self.dead_error: EngineDeadError | None = None
         self._core_has_work = False
+        # Heartbeat: steps the core has completed, and when the client last saw it move on
+        # (a report with more steps, or work arriving at an idle core).
+        self.num_core_steps = 0
+        self._last_progress_time = time.monotonic()
         self._outputs: list[EngineCoreOutput] = []
         self._closed = False
         self._startup_deadline = time.monotonic() + startup_timeout_s
@@ -130,6 +131,12 @@ class EngineCoreClient:
         while not await self._async_reports.poll(LIVENESS_POLL_MS, zmq.POLLIN):
             self._check_alive()
 
+    def seconds_without_progress(self) -> float:
+        """How long the core has had work without completing a step; 0 while it has none."""
+        if not self.has_work():
+            return 0.0
+        return time.monotonic() - self._last_progress_time
+
     def send_idle_check(self) -> int:
         """Ask the core for its idle check; the answer lands in `idle_check_answers[number]`."""
         self._send(CoreCommand(CommandKind.CHECK_IDLE))
@@ -148,6 +155,8 @@ class EngineCoreClient:
         if self.dead_error is not None:
             raise self.dead_error
         self.wait_until_ready()
+        if not self.has_work():
+            self._last_progress_time = time.monotonic()  # an idle core has made no progress to wait for
         try:
             send(self._commands, command, zmq.NOBLOCK)
         except zmq.Again:  # no core at the other end: a PUSH socket would wait for one forever
@@ -174,6 +183,9 @@ class EngineCoreClient:
             if output.error is not None:
                 self.request_errors[output.req_id] = output.error
         self._outputs.extend(message.outputs)
+        if message.num_steps > self.num_core_steps:
+            self.num_core_steps = message.num_steps
+            self._last_progress_time = time.monotonic()
         self.stats = message.stats
         self.num_commands_applied = message.num_commands_applied
         self._core_has_work = message.has_work

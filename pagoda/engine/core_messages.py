@@ -48,6 +48,8 @@ class CoreReport:
     stats: SchedulerStats
     num_commands_applied: int
     has_work: bool
+    # Steps the core has completed in all: its heartbeat (see `EngineCoreClient.seconds_without_progress`).
+    num_steps: int = 0
     # Answers to CHECK_IDLE commands, by command number: None when idle, else what is left.
     idle_checks: dict[int, str | None] = field(default_factory=dict)
 

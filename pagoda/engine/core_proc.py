@@ -6,6 +6,12 @@ drive `EngineCore`, so none of that work ever holds the GIL the device loop need
 Transport: ZeroMQ PUSH/PULL over ipc files in a private (0700) directory, messages pickled.
 Both ends are this codebase, and pickle carries `Request` and `SamplingParams` whole as they
 grow new fields, where a msgspec schema would have to mirror each one.
+
+Any exception in a step (the model forward) ends the process: it sends `CoreFailed` with
+the traceback and exits 1, and the client fails every request in flight. For fault-injection
+tests only, PAGODA_TEST_CORE_FAULT="raise@N" makes the N-th model forward raise and
+"hang@N" makes it never return (see `inject_test_fault`); nothing else reads it.
+PAGODA_DEBUG_CHECK_IDLE=1 runs `EngineCore.check_idle()` whenever the core goes idle.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 import os
 import pickle
 import signal
+import time
 import traceback
 from typing import Any
 
@@ -22,12 +29,14 @@ import zmq
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.core_messages import CommandKind, CoreCommand, CoreFailed, CoreReady, CoreReport
+from pagoda.engine.llm_engine import debug_check_idle_enabled
 from pagoda.outputs import EngineCoreOutput, FinishReason
 
 logger = logging.getLogger(__name__)
 
 # How long an idle core waits for a command before it looks whether its parent still lives.
 IDLE_POLL_MS = 500
+TEST_FAULT_ENV = "PAGODA_TEST_CORE_FAULT"
 
 
 def send(socket: zmq.Socket, message: Any, flags: int = 0) -> None:
@@ -55,6 +64,8 @@ class EngineCoreLoop:
         self.reports = reports
         self.parent_pid = parent_pid
         self.num_commands_applied = 0
+        self.num_steps = 0
+        self.debug_check_idle = debug_check_idle_enabled()
 
     def run(self) -> None:
         """Until SHUTDOWN or the parent's death: apply what arrived, step while there is work,
@@ -76,6 +87,9 @@ class EngineCoreLoop:
                     outputs.extend(self._apply(command))
             if self.core.has_work():
                 outputs.extend(self.core.step())
+                self.num_steps += 1
+                if self.debug_check_idle and not self.core.has_work():
+                    self.core.check_idle()  # a leak ends the core, loudly, with the check's message
             idle_error = self._idle_error() if idle_check_numbers else None
             report = CoreReport(
                 outputs=outputs,
@@ -83,6 +97,7 @@ class EngineCoreLoop:
                 num_commands_applied=self.num_commands_applied,
                 has_work=self.core.has_work(),
                 idle_checks=dict.fromkeys(idle_check_numbers, idle_error),
+                num_steps=self.num_steps,
             )
             send(self.reports, report)
 
@@ -110,6 +125,28 @@ class EngineCoreLoop:
         return None
 
 
+def inject_test_fault(core: EngineCore, fault: str, parent_pid: int) -> None:
+    """For tests: make the N-th model forward of `fault` = "raise@N" raise, or of "hang@N"
+    never return (until the parent process is gone)."""
+    kind, _, count = fault.partition("@")
+    if kind not in ("raise", "hang") or not count.isdigit():
+        raise ValueError(f"{TEST_FAULT_ENV} must be 'raise@N' or 'hang@N', got {fault!r}")
+    execute_model = core.executor.execute_model
+    calls = 0
+
+    def faulty_execute_model(scheduler_output):
+        nonlocal calls
+        calls += 1
+        if calls == int(count):
+            if kind == "raise":
+                raise RuntimeError(f"injected model forward failure ({TEST_FAULT_ENV}={fault})")
+            while os.getppid() == parent_pid:
+                time.sleep(0.1)
+        return execute_model(scheduler_output)
+
+    core.executor.execute_model = faulty_execute_model
+
+
 def run_engine_core(config: EngineConfig, commands_address: str, reports_address: str, parent_pid: int) -> None:
     """The core process's entry point (spawned by `EngineCoreClient`)."""
     # Ctrl-C in a terminal reaches the whole process group; the server decides when this ends.
@@ -121,6 +158,8 @@ def run_engine_core(config: EngineConfig, commands_address: str, reports_address
     core = None
     try:
         core = EngineCore(config)
+        if os.environ.get(TEST_FAULT_ENV):
+            inject_test_fault(core, os.environ[TEST_FAULT_ENV], parent_pid)
         send(reports, CoreReady(num_kv_blocks=core.scheduler.kv_cache_manager.block_pool.num_usable_blocks))
         EngineCoreLoop(core, commands, reports, parent_pid).run()
     except Exception:

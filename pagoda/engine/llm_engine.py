@@ -1,12 +1,20 @@
-"""`LLMEngine`: request in, outputs out — processor, core and output processor in one process."""
+"""`LLMEngine`: request in, outputs out — processor, core and output processor in one process.
+
+An exception from the core's step (the model forward) leaves no state worth trusting: the
+engine is then dead, and every later call raises `EngineDeadError`. With the environment
+variable PAGODA_DEBUG_CHECK_IDLE=1 the engine runs `check_idle()` each time it becomes idle
+(and the core process does the same), raising at the first leaked block or request.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
+from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.parallel_sampling import ParentRequest
 from pagoda.engine.processor import Processor, PromptType
@@ -17,6 +25,12 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+DEBUG_CHECK_IDLE_ENV = "PAGODA_DEBUG_CHECK_IDLE"
+
+
+def debug_check_idle_enabled() -> bool:
+    return os.environ.get(DEBUG_CHECK_IDLE_ENV, "") not in ("", "0")
 
 
 class LLMEngine:
@@ -34,21 +48,43 @@ class LLMEngine:
         self.engine_core = engine_core if engine_core is not None else EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        self.dead_error: EngineDeadError | None = None
+        self.debug_check_idle = debug_check_idle_enabled()
 
-    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
         """Validate and queue a request; raises InvalidRequestError before anything is queued."""
-        request, prompt_text = self.process(prompt, params, request_id)
+        request, prompt_text = self.process(prompt, params, request_id, cache_salt)
         self.enqueue(request, prompt_text)
         return request.request_id
 
     def process(
-        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> tuple[Request, str | None]:
-        """Validate and tokenize without queueing (so a batch can be checked whole first)."""
+        """Validate and tokenize without queueing (so a batch can be checked whole first).
+
+        `cache_salt` keys the request's prefix-cache blocks: only requests with the same salt
+        (or both without one) share cached blocks, so tenants never see each other's prefixes.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if self.output_processor.has_request(request_id):
             raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
-        return self.processor.process(request_id, prompt, params)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt", "cache_salt must be a non-empty string")
+        request, prompt_text = self.processor.process(request_id, prompt, params)
+        request.cache_salt = cache_salt
+        return request, prompt_text
 
     def enqueue(self, request: Request, prompt_text: str | None) -> None:
         """Queue a processed request; one with n > 1 as n child requests (see parallel_sampling)."""
@@ -76,22 +112,39 @@ class LLMEngine:
             raise InvalidRequestError("prompt", str(error)) from error
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
-        self.engine_core.abort_requests(self.output_processor.core_request_ids(request_ids))
+        """End requests in any state; returns their final outputs. Unknown or finished ids are dropped."""
+        if self.dead_error is None:
+            self.engine_core.abort_requests(self.output_processor.core_request_ids(request_ids))
         return self.output_processor.abort_requests(request_ids)
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.engine_core.step()
-        outputs, stopped = self.output_processor.process_outputs(core_outputs)
-        if stopped:
-            self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.dead_error is not None:
+            raise self.dead_error
+        try:
+            core_outputs = self.engine_core.step()
+        except EngineDeadError as error:
+            self.dead_error = error
+            raise
+        except Exception as error:
+            logger.exception("the engine core's step failed; the engine is dead")
+            self.dead_error = EngineDeadError(f"the engine core's step failed: {error!r}")
+            raise self.dead_error from error
+        processed = self.output_processor.process_outputs(core_outputs)
+        if processed.stopped_by_string:
+            self.engine_core.finish_requests(processed.stopped_by_string, RequestStatus.FINISHED_STOPPED)
+        if processed.failed:
+            self.engine_core.finish_requests(processed.failed, RequestStatus.FINISHED_ERROR)
         for request in self.output_processor.take_released_requests():
             self.engine_core.add_request(request)
-        return outputs
+        if self.debug_check_idle and isinstance(self.engine_core, EngineCore) and not self.has_unfinished_requests():
+            self.check_idle()  # the core process runs its own check (see core_proc)
+        return processed.outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.engine_core.has_work()
 
     def check_idle(self) -> None:
-        assert not self.output_processor.request_states, "output processor still holds requests"
-        assert not self.output_processor.parent_requests, "output processor still holds parallel-sample parents"
+        """Raise AssertionError unless no request state is left in any layer and the KV pool is
+        whole (every block free or cached and evictable). Call it when no request is in flight."""
+        self.output_processor.check_idle()
         self.engine_core.check_idle()

@@ -5,10 +5,16 @@ turns logprob arrays into {token id: Logprob} dicts, and reports which requests 
 string ended, so the core can free them. Requests with n > 1 are tracked per child (one
 core request each) and delivered per parent (`parallel_sampling.ParentRequest`): one
 `RequestOutput` per parent and step, holding every child's completion.
+
+A request whose processing raises (detokenization, a stop-string check) fails alone: it
+ends with finish reason "error" and the error's text, the core is told to free it, and
+the other requests of the step are processed as usual. Outputs and aborts for ids that
+are unknown or already finished (an abort racing a finish) are logged and dropped.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +34,20 @@ from pagoda.outputs import (
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.request import Request
 
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessedOutputs:
+    """What one step's core outputs became."""
+
+    # The outputs to deliver (one per request or parent updated).
+    outputs: list[RequestOutput]
+    # Core requests a stop string ended: the core must free them as stopped.
+    stopped_by_string: list[str]
+    # Core requests whose processing failed (their whole parent for n > 1): the core must free them as errors.
+    failed: list[str]
+
 
 @dataclass
 class RequestState:
@@ -46,6 +66,8 @@ class RequestState:
     # The parent of a parallel sample (n > 1), and this sample's index in it.
     parent: ParentRequest | None = None
     index: int = 0
+    # Why its processing failed (finish reason "error").
+    error: str | None = None
 
     def to_completion(self, finish_reason: FinishReason | None, stop_reason: int | str | None) -> CompletionOutput:
         return CompletionOutput(
@@ -55,6 +77,7 @@ class RequestState:
             finish_reason=None if finish_reason is None else str(finish_reason),
             stop_reason=stop_reason,
             logprobs=None if self.logprobs is None else list(self.logprobs),
+            error=self.error,
         )
 
     def to_output(self, finish_reason: FinishReason | None, stop_reason: int | str | None) -> RequestOutput:
@@ -131,54 +154,41 @@ class OutputProcessor:
         """Finish these requests (a parent with all its samples) as aborted; returns their final outputs.
 
         Aborting one sample of a parent finishes that sample only; the parent's output comes
-        when its last sample ends.
+        when its last sample ends. Unknown or already finished ids are logged and dropped.
         """
         outputs = []
         now = time.monotonic()
         for request_id in request_ids:
-            for core_id in self.core_request_ids([request_id]):
-                state = self.request_states.pop(core_id, None)
-                if state is None:
-                    continue
-                self._released = [r for r in self._released if r.request_id != core_id]
-                completion = state.to_completion(FinishReason.ABORT, None)
-                if state.parent is None:
-                    outputs.append(state.to_output(FinishReason.ABORT, None))
-                    continue
-                state.parent.record(state.index, completion, None, now)
-                if state.parent.finished:
-                    outputs.append(state.parent.to_output())
-                    del self.parent_requests[state.parent.request_id]
+            states = [self.request_states.get(core_id) for core_id in self.core_request_ids([request_id])]
+            live = [state for state in states if state is not None]
+            if not live:
+                logger.debug("abort of unknown or finished request %r dropped", request_id)
+            for state in live:
+                output = self._end(state, FinishReason.ABORT, now)
+                if output is not None:
+                    outputs.append(output)
         return outputs
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (outputs to deliver, ids that a stop string finished and the core must free)."""
-        request_outputs: list[RequestOutput] = []
-        stopped_by_string: list[str] = []
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Apply one step's core outputs; a request whose processing raises fails alone."""
+        processed = ProcessedOutputs(outputs=[], stopped_by_string=[], failed=[])
         updated_parents: dict[str, ParentRequest] = {}
         now = time.monotonic()
         for core_output in core_outputs:
             state = self.request_states.get(core_output.req_id)
             if state is None:
-                continue  # finished or aborted here already; a late output is dropped
-            if state.first_token_time is None and core_output.new_token_ids:
-                state.first_token_time = now
-            state.output_token_ids.extend(core_output.new_token_ids)
-            self._add_logprobs(state, core_output)
-            finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
-            if state.detokenizer is not None and core_output.new_token_ids:
-                new_text = state.detokenizer.push(core_output.new_token_ids)
-                state.text += new_text
-                params = state.params
-                stop = find_stop_string(state.text, len(new_text), params.stop, params.include_stop_str_in_output)
-                if stop is not None:
-                    stop_reason, truncate_to = stop
-                    state.text = state.text[:truncate_to]
-                    if finish_reason is None:
-                        stopped_by_string.append(state.request_id)
-                    finish_reason = FinishReason.STOP
+                logger.debug("output of unknown or finished request %r dropped", core_output.req_id)
+                continue
+            try:
+                finish_reason, stop_reason = self._apply(state, core_output, now)
+            except Exception as error:
+                logger.exception("request %r failed in output processing; the others go on", state.request_id)
+                processed.outputs += self._fail(state, error, core_output.finished, processed.failed, now)
+                continue
+            if finish_reason is not None and core_output.finish_reason is None:
+                processed.stopped_by_string.append(state.request_id)
             if state.parent is None:
-                request_outputs.append(state.to_output(finish_reason, stop_reason))
+                processed.outputs.append(state.to_output(finish_reason, stop_reason))
             else:
                 completion = state.to_completion(finish_reason, stop_reason)
                 self._released += state.parent.record(state.index, completion, state.prompt_logprobs, now)
@@ -186,10 +196,58 @@ class OutputProcessor:
             if finish_reason is not None:
                 del self.request_states[state.request_id]
         for parent in updated_parents.values():
-            request_outputs.append(parent.to_output())
+            if parent.request_id not in self.parent_requests:
+                continue  # failed later in this step: its final output is out already
+            processed.outputs.append(parent.to_output())
             if parent.finished:
                 del self.parent_requests[parent.request_id]
-        return request_outputs, stopped_by_string
+        return processed
+
+    def _apply(
+        self, state: RequestState, core_output: EngineCoreOutput, now: float
+    ) -> tuple[FinishReason | None, int | str | None]:
+        """Add the step's tokens, logprobs and text to a request; returns its finish and stop reasons."""
+        if state.first_token_time is None and core_output.new_token_ids:
+            state.first_token_time = now
+        state.output_token_ids.extend(core_output.new_token_ids)
+        self._add_logprobs(state, core_output)
+        finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
+        if state.detokenizer is not None and core_output.new_token_ids:
+            new_text = state.detokenizer.push(core_output.new_token_ids)
+            state.text += new_text
+            params = state.params
+            stop = find_stop_string(state.text, len(new_text), params.stop, params.include_stop_str_in_output)
+            if stop is not None:
+                stop_reason, truncate_to = stop
+                state.text = state.text[:truncate_to]
+                finish_reason = FinishReason.STOP
+        return finish_reason, stop_reason
+
+    def _fail(
+        self, state: RequestState, error: Exception, finished_in_core: bool, failed: list[str], now: float
+    ) -> list[RequestOutput]:
+        """End a request (every sample of its parent) with an error; the core ids to free go to `failed`."""
+        state.error = f"{type(error).__name__}: {error}"
+        states = [state]
+        if state.parent is not None:
+            siblings = (self.request_states.get(core_id) for core_id in state.parent.child_ids)
+            states += [s for s in siblings if s is not None and s is not state]
+        failed += [s.request_id for s in states if s is not state or not finished_in_core]
+        outputs = [self._end(s, FinishReason.ERROR, now) for s in states]
+        return [output for output in outputs if output is not None]
+
+    def _end(self, state: RequestState, finish_reason: FinishReason, now: float) -> RequestOutput | None:
+        """Finish a request the core did not finish; returns its final output, or None for a
+        sample whose parent has others still running."""
+        del self.request_states[state.request_id]
+        self._released = [r for r in self._released if r.request_id != state.request_id]
+        if state.parent is None:
+            return state.to_output(finish_reason, None)
+        self._released += state.parent.record(state.index, state.to_completion(finish_reason, None), None, now)
+        if not state.parent.finished:
+            return None
+        del self.parent_requests[state.parent.request_id]
+        return state.parent.to_output()
 
     def _add_logprobs(self, state: RequestState, core_output: EngineCoreOutput) -> None:
         if state.logprobs is not None and core_output.new_logprobs is not None:
@@ -199,3 +257,14 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless no request state is left here."""
+        left = {
+            "requests": list(self.request_states),
+            "parallel-sample parents": list(self.parent_requests),
+            "samples waiting to join the core": [r.request_id for r in self._released],
+        }
+        left = {name: ids[:16] for name, ids in left.items() if ids}
+        if left:
+            raise AssertionError(f"output processor not idle: {left}")

@@ -30,11 +30,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Run a batch to completion; outputs come back in the order of the prompts."""
+        """Run a batch to completion; outputs come back in the order of the prompts.
+        `cache_salt` isolates the batch in the prefix cache: only requests with the same salt share blocks."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        request_ids = self._add_all(prompt_list, params_list)
+        request_ids = self._add_all(prompt_list, params_list, cache_salt)
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(
@@ -73,10 +75,14 @@ class LLM:
                 while engine.engine_core.has_work():
                     engine.step()
 
-    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    def _add_all(
+        self, prompts: list[PromptType], params: list[SamplingParams], cache_salt: str | None = None
+    ) -> list[str]:
         """Validate every request first, so a bad one rejects the batch before any runs."""
         engine = self.llm_engine
-        processed = [engine.process(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        processed = [
+            engine.process(prompt, p, cache_salt=cache_salt) for prompt, p in zip(prompts, params, strict=True)
+        ]
         for request, prompt_text in processed:
             engine.enqueue(request, prompt_text)
         return [request.request_id for request, _ in processed]

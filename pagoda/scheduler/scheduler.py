@@ -15,6 +15,7 @@ drops the extra token.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from pagoda.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagoda.scheduler.kv_cache_manager import KVCacheManager
 from pagoda.scheduler.output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
 from pagoda.scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,7 +103,7 @@ class Scheduler:
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests in any state (e.g. a stop string found by the detokenizer).
 
-        Unknown or already finished ids are ignored: an abort may race with a finish.
+        Unknown or already finished ids are logged and dropped: an abort may race with a finish.
         """
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status.name}")
@@ -109,6 +112,7 @@ class Scheduler:
         for req_id in req_ids:
             request = self.requests.get(req_id)
             if request is None:
+                logger.debug("finish (%s) of unknown or finished request %r dropped", status.name, req_id)
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
