@@ -1,7 +1,8 @@
 """RMSNorm with an optional fused residual add, numerically as Hugging Face computes it.
 
 The residual add happens in the model dtype (as HF's decoder layers do it), the normalization
-in float32, and the result is cast back before the weight multiplies it.
+in float32, and the result is cast back before the weight multiplies it. On CUDA one Triton
+kernel does all of it; the torch ops here are the reference it follows.
 """
 
 from __future__ import annotations
@@ -10,6 +11,11 @@ from typing import overload
 
 import torch
 from torch import nn
+
+from pagoda.model import ops
+
+if ops.TRITON_AVAILABLE:
+    from pagoda.model.ops.triton_rms_norm import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -29,6 +35,10 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalize `x`, or with `residual` given, normalize `x + residual` and also return that sum
         (the next residual)."""
+        if ops.use_triton(x):
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._normalize(x)
         x = x + residual

@@ -1,7 +1,10 @@
 """Rotary position embedding (neox style: the head's two halves rotate as pairs, as HF's
 `rotate_half` does), with cos/sin precomputed for every position and gathered by position id.
 
-One `RotaryEmbedding` serves all layers: the model gathers cos/sin once per forward.
+One `RotaryEmbedding` serves all layers: the model gathers cos/sin once per forward. Each
+attention layer then splits its merged QKV output with `rotate_qkv`, which on CUDA normalizes
+(Qwen3's per-head q/k RMSNorm) and rotates q and k in one Triton kernel; the torch ops here are
+the reference it follows.
 """
 
 from __future__ import annotations
@@ -11,6 +14,12 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from pagoda.model import ops
+from pagoda.model.layers.layernorm import RMSNorm
+
+if ops.TRITON_AVAILABLE:
+    from pagoda.model.ops.triton_rotary import qk_norm_rotary
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -84,3 +93,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_siz
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.view(num_tokens, -1)
+
+
+def rotate_qkv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the merged projection qkv [T, (H + 2 Hkv) * D] into q [T, H * D] and k [T, Hkv * D],
+    each head RMSNormed by `qk_norm` (q's norm, k's norm) when given, then rotated; and v
+    [T, Hkv * D] as projected (a view of qkv)."""
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    if ops.use_triton(qkv):
+        norm_weights = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight)
+        norm_eps = (0.0, 0.0) if qk_norm is None else (qk_norm[0].eps, qk_norm[1].eps)
+        q, k = qk_norm_rotary(qkv, cos, sin, num_heads, num_kv_heads, head_size, norm_weights, norm_eps)
+        return q, k, qkv[:, q_size + kv_size :]
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    if qk_norm is not None:
+        num_tokens = qkv.shape[0]
+        q = qk_norm[0](q.reshape(num_tokens, num_heads, head_size)).view(num_tokens, q_size)
+        k = qk_norm[1](k.reshape(num_tokens, num_kv_heads, head_size)).view(num_tokens, kv_size)
+    return apply_rotary(q, cos, sin, head_size), apply_rotary(k, cos, sin, head_size), v

@@ -22,7 +22,7 @@ from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagoda.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
+from pagoda.model.layers.rotary import RotaryEmbedding, rope_settings, rotate_qkv
 from pagoda.model.layers.weight_utils import default_weight_loader
 
 # (our merged parameter, the HF checkpoint name merged into it, its shard id)
@@ -62,7 +62,6 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
-        self.split_sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         self.attn = Attention(
             self.qkv_proj.num_heads,
             self.head_size,
@@ -78,13 +77,14 @@ class DecoderAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split(self.split_sizes, dim=-1)
-        if self.qk_norm:
-            num_tokens = q.shape[0]
-            q = self.q_norm(q.reshape(num_tokens, -1, self.head_size)).view(num_tokens, -1)
-            k = self.k_norm(k.reshape(num_tokens, -1, self.head_size)).view(num_tokens, -1)
-        q = apply_rotary(q, *cos_sin, self.head_size)
-        k = apply_rotary(k, *cos_sin, self.head_size)
+        q, k, v = rotate_qkv(
+            self.qkv_proj(hidden_states),
+            *cos_sin,
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            self.head_size,
+            (self.q_norm, self.k_norm) if self.qk_norm else None,
+        )
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
