@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from model_utils import TINY_CONFIGS
 from transformers import AutoModelForCausalLM
 
+from pagoda.benchmarks.roofline import (
+    DeviceRates,
+    decode_step_work,
+    model_shape,
+    weight_bytes_per_step,
+    workload_floor_seconds,
+)
 from pagoda.benchmarks.throughput import Workload, nanobench_workload, run_hf
 from pagoda.entrypoints.cli import main
+from pagoda.model.loader.dummy import dummy_shape_config
 
 # A dummy model of a real shape: the workload's token ids (100..9999) fit its vocabulary.
 SMALL = ["--model", "smollm2-135m", "--load-format", "dummy", "--device", "cpu"]
@@ -22,6 +31,7 @@ def test_bench_throughput_prints_the_table(capsys) -> None:
     out = capsys.readouterr().out
     assert "3 prompts" in out and "15 output tokens" in out
     assert out.strip().splitlines()[-1].split()[:4] == ["pagoda", "all", "of", "3"]
+    assert "floor: bytes over the copy bandwidth" in out
 
 
 def test_bench_throughput_runs_the_hf_peer_on_a_labelled_subset(tmp_path, capsys) -> None:
@@ -39,6 +49,9 @@ def test_bench_throughput_runs_the_hf_peer_on_a_labelled_subset(tmp_path, capsys
         ("hf-generate", 2, 10),
     ]
     assert all(m["seconds"] > 0 and m["output_tok_per_s"] > 0 for m in measurements)
+    # Nothing runs faster than its floor; the subset's floor is the subset's own.
+    assert all(0 < m["fraction_of_floor"] <= 1 for m in measurements)
+    assert measurements[1]["floor_seconds"] == measurements[2]["floor_seconds"] < measurements[0]["floor_seconds"]
 
 
 def test_bench_throughput_rejects_a_peer_subset_larger_than_the_workload(capsys) -> None:
@@ -63,3 +76,25 @@ def test_nanobench_workload_is_the_published_one() -> None:
     assert workload.temperature == 0.6
     head = workload.head(32)
     assert head.prompts == workload.prompts[:32] and head.output_lens == workload.output_lens[:32]
+
+
+H200 = DeviceRates(copy_bytes_per_s=4.27e12, matmul_flops_per_s=789e12)
+
+
+def test_workload_floor_is_one_prefill_then_a_decode_step_per_later_token() -> None:
+    shape = model_shape(dummy_shape_config("qwen3-0.6b"))
+    floor = workload_floor_seconds(shape, [10, 20], [3, 1], chunk_size=8192, dtype_bytes=2, rates=H200)
+    # Both prompts in one prefill step (30 tokens); then request 0 alone decodes its 2nd and 3rd tokens.
+    prefill_bytes = weight_bytes_per_step(shape, 0, 2) + 30 * 1024 * 2
+    prefill_flops = 2 * shape.body_params * 30 + 2 * 2 * shape.lm_head_params + 4 * 28 * 16 * 128 * (55 + 210)
+    steps = [decode_step_work(shape, [11], 2), decode_step_work(shape, [12], 2)]
+    expected = max(prefill_bytes / 4.27e12, prefill_flops / 789e12) + sum(map(H200.floor_seconds, steps))
+    assert floor == pytest.approx(expected, rel=1e-12)
+
+
+def test_nanobench_floor_of_the_qwen3_shape_is_about_3_5_s_on_an_h200() -> None:
+    workload = nanobench_workload()
+    shape = model_shape(dummy_shape_config("qwen3-0.6b"))
+    floor = workload_floor_seconds(shape, [len(p) for p in workload.prompts], workload.output_lens, 8192, 2, H200)
+    # The estimate is about 3.5 s; the KV cache read by 133k decode tokens is most of it.
+    assert 3.4 < floor < 3.9

@@ -5,6 +5,7 @@ by hand (Llama-3.1-8B in bf16 reads 15.0 GB of weights per decode step)."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -108,6 +109,33 @@ class DeviceRates:
     def floor_seconds(self, work: Work) -> float:
         """The slower of reading every byte and computing every FLOP at the measured rates."""
         return max(work.bytes_read / self.copy_bytes_per_s, work.flops / self.matmul_flops_per_s)
+
+
+def workload_floor_seconds(
+    shape: ModelShape,
+    prompt_lens: list[int],
+    output_lens: list[int],
+    chunk_size: int,
+    dtype_bytes: int,
+    rates: DeviceRates,
+) -> float:
+    """A lower bound on running a batch of requests that all fit at once: every prompt prefilled
+    (packed into steps of `chunk_size` tokens, each reading the weights once; the K/V reads
+    of later chunks are left out), then one decode step per output token after the first,
+    reading the weights once and the K/V of every request still running."""
+    total_prompt = sum(prompt_lens)
+    prefill = Work(
+        bytes_read=math.ceil(total_prompt / chunk_size) * weight_bytes_per_step(shape, 0, dtype_bytes)
+        + total_prompt * shape.hidden_size * dtype_bytes,
+        flops=2 * shape.body_params * total_prompt
+        + 2 * shape.lm_head_params * len(prompt_lens)
+        + attention_flops(shape, sum(n * (n + 1) // 2 for n in prompt_lens)),
+    )
+    seconds = rates.floor_seconds(prefill)
+    for step in range(1, max(output_lens)):
+        contexts = [p + step for p, n in zip(prompt_lens, output_lens, strict=True) if n > step]
+        seconds += rates.floor_seconds(decode_step_work(shape, contexts, dtype_bytes))
+    return seconds
 
 
 def _synchronize(device: torch.device) -> None:

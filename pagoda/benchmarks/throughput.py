@@ -11,6 +11,10 @@ so the figures come from the same machine and moment: `generate` on one padded b
 `nanobench` (each request's own number of new tokens, temperature 0.6). `--peer-num-prompts K`
 runs the peer on the first K requests only (the full nanobench takes HF about 4 minutes on an
 H200), and Pagoda on those K again, both rows labelled with the subset.
+
+Every row is printed beside the workload's floor (`roofline.workload_floor_seconds`: weight and
+KV-cache bytes over the copy bandwidth, or FLOPs over the matmul rate, both measured in the
+same run) as a fraction: floor seconds / measured seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.benchmarks.cli_args import add_throughput_args
 from pagoda.benchmarks.hf_peer import free_device_memory, load_hf_model
+from pagoda.benchmarks.roofline import measure_device_rates, model_shape, workload_floor_seconds
 from pagoda.config import ConfigError
 
 
@@ -184,6 +189,8 @@ class Measurement:
     engine: str
     workload: Workload
     seconds: float
+    # The workload's floor on this device (`roofline.workload_floor_seconds`).
+    floor_seconds: float
 
     def as_dict(self) -> dict:
         return {
@@ -194,19 +201,23 @@ class Measurement:
             "seconds": self.seconds,
             "output_tok_per_s": self.workload.num_output_tokens / self.seconds,
             "total_tok_per_s": (self.workload.num_prompt_tokens + self.workload.num_output_tokens) / self.seconds,
+            "floor_seconds": self.floor_seconds,
+            "fraction_of_floor": self.floor_seconds / self.seconds,
         }
 
 
 def format_table(measurements: list[Measurement], num_requests: int) -> str:
     lines = [
-        f"{'engine':<14} {'requests':>16} {'output tokens':>13} {'seconds':>8} {'output tok/s':>13} {'total tok/s':>12}"
+        f"{'engine':<14} {'requests':>16} {'output tokens':>13} {'seconds':>8} {'output tok/s':>13} "
+        f"{'total tok/s':>12} {'floor s':>8} {'of floor':>9}"
     ]
     for m in measurements:
         row = m.as_dict()
         requests = "all" if row["requests"] == num_requests else f"first {row['requests']}"
         lines.append(
             f"{m.engine:<14} {requests + f' of {num_requests}':>16} {row['output_tokens']:>13} {m.seconds:>8.2f} "
-            f"{row['output_tok_per_s']:>13.1f} {row['total_tok_per_s']:>12.1f}"
+            f"{row['output_tok_per_s']:>13.1f} {row['total_tok_per_s']:>12.1f} {m.floor_seconds:>8.3f} "
+            f"{row['fraction_of_floor']:>9.1%}"
         )
     return "\n".join(lines)
 
@@ -231,29 +242,58 @@ def run(args: argparse.Namespace) -> list[Measurement]:
         enforce_eager=args.enforce_eager,
     )
     print(f"pagoda startup (load, profile, graphs): {time.perf_counter() - start:.1f} s", flush=True)
-    model_config = llm.llm_engine.config.model_config
-    device = llm.llm_engine.config.device_config.device
-    measurements = [Measurement("pagoda", workload, run_pagoda(llm, workload))]
+    config = llm.llm_engine.config
+    model_config = config.model_config
+    device = config.device_config.device
+    # Measured on the same device, with the engine loaded, just before its run.
+    rates = measure_device_rates(torch.device(device), model_config.dtype)
+    shape = model_shape(model_config.hf_config)
+    dtype_bytes = torch.empty((), dtype=model_config.dtype).element_size()
+
+    def floor_of(part: Workload) -> float:
+        return workload_floor_seconds(
+            shape,
+            [len(p) for p in part.prompts],
+            part.output_lens,
+            config.scheduler_config.max_num_batched_tokens,
+            dtype_bytes,
+            rates,
+        )
+
+    measurements = [Measurement("pagoda", workload, run_pagoda(llm, workload), floor_of(workload))]
     print(f"pagoda: {measurements[0].seconds:.2f} s", flush=True)
+    peer_floor = floor_of(peer_workload)
     if args.peer == "hf" and len(peer_workload.prompts) < num_requests:
         # Pagoda on the peer's subset too, so the two compare on the same requests.
-        measurements.append(Measurement("pagoda", peer_workload, run_pagoda(llm, peer_workload)))
+        measurements.append(Measurement("pagoda", peer_workload, run_pagoda(llm, peer_workload), peer_floor))
     del llm
     free_device_memory()  # the engine's KV cache and graphs, before the peer loads
     if args.peer == "hf":
         hf_model = load_hf_model(model_config.model, model_config.load_format, model_config.dtype, device)
         engine, seconds = run_hf(hf_model, peer_workload)
-        measurements.append(Measurement(engine, peer_workload, seconds))
+        measurements.append(Measurement(engine, peer_workload, seconds, peer_floor))
         del hf_model
         free_device_memory()
     print(
         f"workload {args.workload}: {num_requests} prompts, {workload.num_prompt_tokens} prompt tokens, "
         f"{workload.num_output_tokens} output tokens; torch threads {torch.get_num_threads()}"
     )
+    print(
+        f"floor: bytes over the copy bandwidth ({rates.copy_bytes_per_s / 1e9:.1f} GB/s) or FLOPs over the "
+        f"{model_config.dtype} matmul rate ({rates.matmul_flops_per_s / 1e12:.2f} TFLOP/s) per step, all requests "
+        f"at once: {measurements[0].floor_seconds:.3f} s = "
+        f"{workload.num_output_tokens / measurements[0].floor_seconds:.0f} output tok/s"
+    )
     print(format_table(measurements, num_requests))
     if args.result_json:
         with open(args.result_json, "w") as file:
-            json.dump({"workload": args.workload, "measurements": [m.as_dict() for m in measurements]}, file, indent=2)
+            result = {
+                "workload": args.workload,
+                "copy_bytes_per_s": rates.copy_bytes_per_s,
+                "matmul_flops_per_s": rates.matmul_flops_per_s,
+                "measurements": [m.as_dict() for m in measurements],
+            }
+            json.dump(result, file, indent=2)
     return measurements
 
 
