@@ -2,7 +2,8 @@
 layers' torch ops, their numerical reference.
 
 Each test runs a layer call twice, its dispatch forced to the torch ops and then to the Triton
-kernel. Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes; the interpreter
+kernel. With CUDA the same tests run compiled; without it the kernels run under
+TRITON_INTERPRET=1 on small shapes, where the interpreter
 truncates float32 to bfloat16 where the GPU rounds to nearest, so bf16 tolerances there are a
 few bf16 ulps. The `gpu`-marked tests add model-sized shapes, where the kernels must agree with
 the torch ops to rounding: bf16/fp16 results almost all bit-identical, float32 within 1e-5.

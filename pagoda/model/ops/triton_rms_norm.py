@@ -3,8 +3,8 @@
 The arithmetic follows the torch path in `pagoda.model.layers.layernorm` step by step: the
 residual add rounded to the model dtype (and written out as the next residual), the norm in
 float32, the result rounded to the model dtype before the weight multiplies it. Only the order
-of the float32 sum of squares differs, so float32 results agree to rounding and bf16/fp16
-results almost always bit for bit.
+of the float32 sum of squares (and the last bit of the rsqrt) differs, so float32 results agree
+to rounding and bf16/fp16 results almost always bit for bit.
 """
 
 from __future__ import annotations

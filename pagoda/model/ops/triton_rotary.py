@@ -9,7 +9,7 @@ Each step rounds where the torch path in `pagoda.model.layers.rotary` rounds: th
 and its product with the weight to the model dtype, cos/sin to the model dtype, each product
 of the rotation to the model dtype before the sum. With floating-point contraction off, the
 rotation is bit-identical to the torch ops; the q/k norm differs only in the order of its
-float32 sum of squares.
+float32 sum of squares (and the last bit of the rsqrt).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _qk_norm_rotary_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
-    half: tl.constexpr = HEAD_SIZE // 2
+    half = HEAD_SIZE // 2
     dims = tl.arange(0, HALF_PADDED)
     in_half = dims < half
     is_q = heads < NUM_HEADS
