@@ -3,10 +3,10 @@ layers' torch ops, their numerical reference.
 
 Each test runs a layer call twice, its dispatch forced to the torch ops and then to the Triton
 kernel. With CUDA the same tests run compiled; without it the kernels run under
-TRITON_INTERPRET=1 on small shapes, where the interpreter
-truncates float32 to bfloat16 where the GPU rounds to nearest, so bf16 tolerances there are a
-few bf16 ulps. The `gpu`-marked tests add model-sized shapes, where the kernels must agree with
-the torch ops to rounding: bf16/fp16 results almost all bit-identical, float32 within 1e-5.
+TRITON_INTERPRET=1 on small shapes, and since the interpreter truncates float32 to bfloat16
+(the GPU rounds to nearest) bf16 tolerances there are a few bf16 ulps. The `gpu`-marked tests
+add model-sized shapes, where the kernels must agree with the torch ops to rounding: bf16/fp16
+results almost all bit-identical, the rotation alone exactly, float32 within 1e-5.
 """
 
 from __future__ import annotations
