@@ -205,14 +205,15 @@ def run(args: argparse.Namespace) -> dict:
     # Measured on the same device, with the engine loaded, just before its figures.
     rates = measure_device_rates(device, dtype)
     figures = plan_figures(plan, model_shape(model_config.hf_config), dtype_bytes, rates)
+    by_name = {figure.name: figure for figure in figures}
     for name, ms in measure(pagoda_generate(llm), plan).items():
-        next(f for f in figures if f.name == name).ms["pagoda"] = ms
+        by_name[name].ms["pagoda"] = ms
     del llm
-    free_device_memory()
+    free_device_memory()  # the engine's KV cache and graphs, before the peer loads
     if args.peer == "hf":
         hf_model = load_hf_model(model_config.model, model_config.load_format, dtype, str(device))
         for name, ms in measure(hf_static_generate(hf_model), plan).items():
-            next(f for f in figures if f.name == name).ms["hf-static"] = ms
+            by_name[name].ms["hf-static"] = ms
         engines.append("hf-static")
         del hf_model
         free_device_memory()
