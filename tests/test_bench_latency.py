@@ -159,3 +159,18 @@ def test_bench_latency_chunks_a_prefill_longer_than_the_token_budget(tiny_qwen3,
 def test_bench_latency_rejects_a_prefill_longer_than_the_model(tiny_qwen3, capsys) -> None:
     assert main(["bench", "latency", "--model", tiny_qwen3, *FAST, "--prefill-lens", "500"]) == 2
     assert "--prefill-lens must be in [1, 127] (max_model_len - 1), got [500]" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_bench_latency_on_the_gpu_never_beats_its_floor(tmp_path) -> None:
+    """Qwen3-0.6B shape, bf16, CUDA graphs, beside HF static-cache generate: no figure may come
+    in under its floor (that would mean a byte or FLOP count too high, or a rate too low)."""
+    result_json = tmp_path / "latency.json"
+    argv = ["bench", "latency", "--model", "qwen3-0.6b", "--load-format", "dummy", "--device", "cuda"]
+    argv += ["--output-len", "32", "--prefill-lens", "1024", "8192", "--repeats", "2", "--peer", "hf"]
+    assert main([*argv, "--result-json", str(result_json)]) == 0
+    result = json.loads(result_json.read_text())
+    assert result["prefill_chunks"] == {"1024": 1, "8192": 1}
+    assert result["copy_bytes_per_s"] > 1e12 and result["matmul_flops_per_s"] > 1e14
+    for figure in result["figures"]:
+        assert all(ms >= figure["floor_ms"] for ms in figure["ms"].values()), figure
