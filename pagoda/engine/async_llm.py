@@ -6,17 +6,23 @@ n > 1, detokenization, stop strings) while the device loop never waits on the se
 One output task reads the core's reports and hands each request its newest output; a
 request that is cancelled, closed early or abandoned is aborted at once, returning its KV
 blocks.
+
+Health: the engine is unhealthy once its core died (every request in flight then fails with
+EngineDeadError and `died` is set) or while it has work and has completed no step for
+`stall_timeout_s` (default 60 s, or PAGODA_HEALTH_STALL_S): HTTP answering is not enough.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 
 from pagoda.config import EngineConfig
-from pagoda.engine.core_client import EngineCoreClient, EngineDeadError
+from pagoda.engine.core_client import EngineCoreClient
+from pagoda.engine.errors import EngineDeadError, RequestFailedError
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
 from pagoda.errors import InvalidRequestError
@@ -25,6 +31,9 @@ from pagoda.outputs import FinishReason, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+STALL_TIMEOUT_ENV = "PAGODA_HEALTH_STALL_S"
+DEFAULT_STALL_TIMEOUT_S = 60.0
 
 
 class RequestStream:
@@ -58,8 +67,13 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, metrics: ServerMetrics | None = None, stall_timeout_s: float | None = None
+    ) -> None:
         self.config = config
+        if stall_timeout_s is None:
+            stall_timeout_s = float(os.environ.get(STALL_TIMEOUT_ENV, DEFAULT_STALL_TIMEOUT_S))
+        self.stall_timeout_s = stall_timeout_s
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.client = EngineCoreClient(config)
         try:
@@ -71,15 +85,24 @@ class AsyncLLM:
             raise
         self.tokenizer = self.engine.tokenizer
         self.dead_error: EngineDeadError | None = None
+        # Set when the engine core died of a failure (not when the server shuts it down).
+        self.died = asyncio.Event()
         self._streams: dict[str, RequestStream] = {}
         self._output_task: asyncio.Task | None = None
         self._reported: asyncio.Condition | None = None
 
     def check_health(self) -> None:
-        """Raise EngineDeadError, saying why, unless the engine core is alive and its outputs read."""
+        """Raise EngineDeadError, saying why, unless the engine core is alive, its outputs read,
+        and it completed a step within `stall_timeout_s` whenever it had work."""
         if self.dead_error is not None:
             raise self.dead_error
         self.client.check_alive()
+        stalled_s = self.client.seconds_without_progress()
+        if stalled_s > self.stall_timeout_s:
+            raise EngineDeadError(
+                f"the engine core has had work and completed no step for {stalled_s:.0f} s "
+                f"(limit {self.stall_timeout_s:g} s, {STALL_TIMEOUT_ENV})"
+            )
 
     @property
     def is_healthy(self) -> bool:
@@ -89,14 +112,19 @@ class AsyncLLM:
             return False
         return True
 
-    def add_requests(self, requests: Sequence[tuple[PromptType, SamplingParams, str]]) -> None:
+    def add_requests(
+        self, requests: Sequence[tuple[PromptType, SamplingParams, str]], cache_salt: str | None = None
+    ) -> None:
         """Validate and tokenize every (prompt, params, request id) first, then queue them all:
-        an invalid one (InvalidRequestError) rejects the lot before any runs."""
+        an invalid one (InvalidRequestError) rejects the lot before any runs. `cache_salt`
+        (one tenant's key) keeps their prefix-cache blocks apart from other salts'."""
         if self.dead_error is not None:
             raise self.dead_error
         self._start_output_loop()
         arrival = time.monotonic()
-        processed = [self.engine.process(prompt, params, request_id) for prompt, params, request_id in requests]
+        processed = [
+            self.engine.process(prompt, params, request_id, cache_salt) for prompt, params, request_id in requests
+        ]
         for request, prompt_text in processed:
             self.engine.enqueue(request, prompt_text)
             core_request_ids = self.engine.output_processor.core_request_ids([request.request_id])
@@ -123,6 +151,8 @@ class AsyncLLM:
     def abort(self, request_ids: Sequence[str]) -> None:
         """End requests still in flight; ids already finished or unknown are ignored."""
         live = [request_id for request_id in request_ids if request_id in self._streams]
+        if len(live) < len(request_ids):
+            logger.debug("abort of unknown or finished requests dropped: %s", set(request_ids) - set(live))
         if not live:
             return
         now = time.monotonic()
@@ -143,8 +173,10 @@ class AsyncLLM:
         """None when no request state is left anywhere and the KV pool is whole, else what is left."""
         if self._streams:
             return f"{len(self._streams)} requests in flight in the server"
-        if self.engine.output_processor.has_unfinished_requests():
-            return "the output processor still holds requests"
+        try:
+            self.engine.output_processor.check_idle()
+        except AssertionError as error:
+            return str(error)
         self._start_output_loop()
         assert self._reported is not None
         number = self.client.send_idle_check()
@@ -168,6 +200,10 @@ class AsyncLLM:
         self.dead_error = EngineDeadError("the server is shutting down")
         self._fail_all(self.dead_error)
         self.client.shutdown()
+
+    def start(self) -> None:
+        """Start reading the core's reports (and so noticing its death) before any request; call it in the event loop."""
+        self._start_output_loop()
 
     def _start_output_loop(self) -> None:
         if self._output_task is None:
@@ -194,6 +230,7 @@ class AsyncLLM:
         except Exception as error:  # a bug in output handling: stop serving rather than serve wrong outputs
             logger.exception("output loop failed")
             self.dead_error = EngineDeadError(f"output handling failed: {error!r}")
+        self.died.set()
         self._fail_all(self.dead_error)
         async with self._reported:
             self._reported.notify_all()
@@ -211,7 +248,8 @@ class AsyncLLM:
         if refusals:  # the core refused it: a limit of this request, e.g. the KV pool
             stream.fail(InvalidRequestError("prompt", refusals[0]))
         elif any(completion.finish_reason == FinishReason.ERROR for completion in output.outputs):
-            stream.fail(RuntimeError(f"request {output.request_id} failed in the engine"))
+            reasons = [c.error for c in output.outputs if c.error is not None]
+            stream.fail(RequestFailedError(output.request_id, reasons[0] if reasons else "unknown error"))
         else:
             stream.put(output)
 

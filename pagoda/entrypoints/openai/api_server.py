@@ -9,6 +9,7 @@ Prometheus scrape configs send bearer tokens (`authorization: {credentials: KEY}
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import logging
 import os
@@ -43,6 +44,8 @@ from pagoda.metrics import CONTENT_TYPE
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})
+# Seconds a server whose engine core died keeps answering (errors, /health 503) before it exits.
+ENGINE_DEAD_EXIT_DELAY_S = 2.0
 # Seconds uvicorn lets open streams run after a stop signal before it cancels them.
 GRACEFUL_SHUTDOWN_S = 5
 
@@ -74,12 +77,27 @@ def served_name(config: EngineConfig) -> str:
     return name.removesuffix(".gguf")
 
 
+async def exit_when_engine_dies(engine: AsyncLLM) -> None:
+    """A dead engine core never recovers: once its requests have had their errors (and /health
+    its 503s) for ENGINE_DEAD_EXIT_DELAY_S, end the server with exit code 1, so a supervisor
+    sees the failure and restarts it. The core process is reaped first: none is left behind."""
+    engine.start()  # watch the core from the start, not from the first request
+    await engine.died.wait()
+    await asyncio.sleep(ENGINE_DEAD_EXIT_DELAY_S)
+    logger.error("the engine core died (%s): the server exits with code 1", engine.dead_error)
+    engine.client.shutdown()
+    logging.shutdown()
+    os._exit(1)
+
+
 def build_app(
     engine: AsyncLLM, served_model_name: str, api_key: str | None = None, enable_debug_routes: bool = False
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        watchdog = asyncio.get_running_loop().create_task(exit_when_engine_dies(engine), name="pagoda-watchdog")
         yield
+        watchdog.cancel()
         await engine.shutdown()
 
     app = FastAPI(title="Pagoda", lifespan=lifespan)
@@ -93,11 +111,13 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the engine core lives and makes progress (a step within the stall limit
+        whenever it has work); 503 saying why otherwise."""
         try:
             engine.check_health()
         except EngineDeadError as error:
             return OpenAIError(503, f"unhealthy: {str(error).splitlines()[0]}").response()
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "engine_steps": engine.client.num_core_steps})
 
     @app.get("/v1/models")
     async def models() -> ModelList:

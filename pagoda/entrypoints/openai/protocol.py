@@ -64,6 +64,8 @@ class SamplingFields(StrictModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # A tenant's key for the prefix cache: only requests with the same salt share cached blocks.
+    cache_salt: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

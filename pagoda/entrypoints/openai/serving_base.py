@@ -83,13 +83,17 @@ class OpenAIServing:
         except InvalidRequestError as error:
             raise invalid_request(error, self.param_names) from error
 
-    def start(self, prompts: list[PromptType], params: SamplingParams, id_prefix: str) -> tuple[str, list[str]]:
+    def start(
+        self, prompts: list[PromptType], params: SamplingParams, id_prefix: str, cache_salt: str | None = None
+    ) -> tuple[str, list[str]]:
         """Queue one engine request per prompt (all or none); returns the response's id and the
         requests' ids (the response's id and the prompt's position)."""
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         try:
-            self.engine.add_requests([(p, params, rid) for p, rid in zip(prompts, request_ids, strict=True)])
+            self.engine.add_requests(
+                [(p, params, rid) for p, rid in zip(prompts, request_ids, strict=True)], cache_salt=cache_salt
+            )
         except InvalidRequestError as error:
             raise invalid_request(error, self.param_names) from error
         return response_id, request_ids

@@ -42,7 +42,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = render_messages(self.tokenizer, body.messages, body.add_generation_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        response_id, request_ids = self.start([prompt], params, "chatcmpl")
+        response_id, request_ids = self.start([prompt], params, "chatcmpl", body.cache_salt)
         outputs = self.outputs(request_ids)
         stops = list(params.stop)
         return await self.respond(
