@@ -77,6 +77,11 @@ class ServerMetrics:
             "pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=registry
         )
         self.preemptions = Counter("pagoda:num_preemptions", "Requests preempted.", registry=registry)
+        self.requests_rejected = Counter(
+            "pagoda:requests_rejected_queue_full",
+            "Requests refused because the waiting queue was full (--max-num-queued-requests).",
+            registry=registry,
+        )
         self._last_stats: SchedulerStats | None = None
 
     def observe_output(self, times: RequestTimes, output: RequestOutput, now: float) -> None:

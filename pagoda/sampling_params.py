@@ -14,6 +14,10 @@ MAX_LOGPROBS = 20
 # presence_penalty / frequency_penalty magnitude, and logit_bias magnitude (OpenAI's ranges).
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+# Stop strings are matched against every new piece of text of every sample: a few short ones.
+MAX_NUM_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_NUM_BAD_WORDS = 128
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -44,7 +48,8 @@ class SamplingParams:
     (0: the sampled token alone); prompt_logprobs=N does the same for every prompt token
     after the first. bad_words are banned as token sequences: a word's last token is
     excluded whenever the output so far ends with the tokens before it (each word is
-    tokenized with and without a leading space).
+    tokenized with and without a leading space). truncate_prompt_tokens=N keeps the
+    prompt's last N tokens.
     """
 
     n: int = 1
@@ -68,6 +73,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Keep only the prompt's last N tokens (None: a prompt too long for the context is an error).
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine from the model (generation_config eos ids); not a user setting.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine's processor: bad_words as token id sequences.
@@ -115,6 +122,15 @@ class SamplingParams:
             raise bad("seed", "an integer in [-2**63, 2**63)", self.seed)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings", self.stop)
+        if len(self.stop) > MAX_NUM_STOP:
+            raise bad("stop", f"at most {MAX_NUM_STOP} strings", f"{len(self.stop)} strings")
+        longest = max(self.stop, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise bad("stop", f"strings of at most {MAX_STOP_CHARS} characters", f"one of {len(longest)}")
+        if self.truncate_prompt_tokens is not None and (
+            not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1
+        ):
+            raise bad("truncate_prompt_tokens", "None or an integer >= 1", self.truncate_prompt_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -143,6 +159,8 @@ class SamplingParams:
             not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
         ):
             raise bad("bad_words", "None or a list of non-blank strings", self.bad_words)
+        if self.bad_words is not None and len(self.bad_words) > MAX_NUM_BAD_WORDS:
+            raise bad("bad_words", f"at most {MAX_NUM_BAD_WORDS} words", f"{len(self.bad_words)} words")
 
     @property
     def greedy(self) -> bool:

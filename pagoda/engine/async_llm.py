@@ -36,6 +36,10 @@ STALL_TIMEOUT_ENV = "PAGODA_HEALTH_STALL_S"
 DEFAULT_STALL_TIMEOUT_S = 60.0
 
 
+class EngineOverloadedError(Exception):
+    """The waiting queue is full: the request was refused before anything was queued."""
+
+
 class RequestStream:
     """The newest output of one request, or the error that ended it. Outputs are cumulative,
     so a reader slower than the engine skips intermediate ones and loses nothing."""
@@ -120,15 +124,37 @@ class AsyncLLM:
         (one tenant's key) keeps their prefix-cache blocks apart from other salts'."""
         if self.dead_error is not None:
             raise self.dead_error
+        self._check_queue_room(sum(params.n for _, params, _ in requests))
         self._start_output_loop()
         arrival = time.monotonic()
         processed = [
             self.engine.process(prompt, params, request_id, cache_salt) for prompt, params, request_id in requests
         ]
+        for request, _ in processed:
+            self.engine.processor.check_fits_context(request)
         for request, prompt_text in processed:
             self.engine.enqueue(request, prompt_text)
             core_request_ids = self.engine.output_processor.core_request_ids([request.request_id])
             self._streams[request.request_id] = RequestStream(arrival, core_request_ids)
+
+    def num_queued(self) -> int:
+        """The core's waiting queue as the server sees it at once: core requests sent and not
+        finished, less those the core last reported running. The scheduler changes its queue
+        only between steps, so this is off by at most the requests that started, finished or
+        were preempted in the one step not yet reported (at most max_num_seqs)."""
+        in_flight = sum(len(stream.core_request_ids) for stream in self._streams.values())
+        running = self.client.stats.num_running_reqs if self.client.stats is not None else 0
+        return max(in_flight - running, 0)
+
+    def _check_queue_room(self, num_new: int) -> None:
+        limit = self.config.scheduler_config.max_num_queued_requests
+        queued = self.num_queued()
+        if queued + num_new > limit:
+            self.metrics.requests_rejected.inc()
+            raise EngineOverloadedError(
+                f"the server is overloaded: {queued} requests are waiting and the limit is "
+                f"--max-num-queued-requests {limit}; retry later"
+            )
 
     def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """The request's outputs until its last; leaving early (break, cancel, close) aborts it.

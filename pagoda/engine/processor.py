@@ -25,11 +25,17 @@ class Processor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text to token ids, special-token text (`<|im_start|>`, ...) kept as plain text so a
+        prompt can never forge control tokens; send token ids to use them."""
+        assert self.tokenizer is not None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True)
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("prompt", "this model has no tokenizer: send prompt token ids")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise InvalidRequestError("prompt", "prompt must be a string or a list of token ids")
@@ -39,6 +45,17 @@ class Processor:
         self._check_token_ids("prompt", prompt_token_ids)
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "prompt must not be empty")
+        if params.truncate_prompt_tokens is not None:
+            if params.truncate_prompt_tokens >= self.max_model_len:
+                raise InvalidRequestError(
+                    "truncate_prompt_tokens",
+                    f"truncate_prompt_tokens must be < max_model_len ({self.max_model_len}), "
+                    f"got {params.truncate_prompt_tokens}",
+                )
+            if len(prompt_token_ids) > params.truncate_prompt_tokens:
+                # The prompt's end is kept: it is what the answer continues.
+                prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens :]
+                prompt_text = None
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -65,6 +82,19 @@ class Processor:
             eos_token_ids=set() if params.ignore_eos else set(self.eos_token_ids),
         )
         return request, prompt_text
+
+    def check_fits_context(self, request: Request) -> None:
+        """Refuse a max_tokens that cannot fit after the prompt (a server's contract; offline
+        generation instead stops at max_model_len with finish reason "length")."""
+        max_tokens = request.sampling_params.max_tokens
+        num_prompt_tokens = len(request.prompt_token_ids)
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"max_tokens is too large: {max_tokens}; the prompt has {num_prompt_tokens} tokens and "
+                f"max_model_len is {self.max_model_len}, so at most {self.max_model_len - num_prompt_tokens} "
+                "(leave max_tokens out to generate until the end of the context)",
+            )
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word as written and with a leading space, when that space merges into its first token."""

@@ -1,9 +1,15 @@
 """The OpenAI-compatible HTTP server: routes, API-key check, health, metrics; `run_server`
 starts the engine core process, then uvicorn, and stops the core when the server stops.
 
-Auth: with an API key set, every route but `/health` needs `Authorization: Bearer KEY`.
-`/metrics` is guarded too: it tells traffic volume and load to whoever reads it, and
-Prometheus scrape configs send bearer tokens (`authorization: {credentials: KEY}`).
+Auth: with an API key set, every route but those in OPEN_PATHS (`/health`) needs
+`Authorization: Bearer KEY`, including `/docs` and `/openapi.json` and any route added later
+(the check is by path, before routing). `/metrics` is guarded too: it tells traffic volume
+and load to whoever reads it, and Prometheus scrape configs send bearer tokens
+(`authorization: {credentials: KEY}`).
+
+Stopping: SIGTERM (or SIGINT) makes the server drain: new requests get 503, the listening
+socket closes, requests in flight run to their end for up to `--shutdown-timeout` seconds
+(then they are cancelled), the engine core stops, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ import asyncio
 import hmac
 import logging
 import os
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -25,7 +33,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.core_client import EngineDeadError
+from pagoda.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagoda.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from pagoda.entrypoints.openai.middleware import BodySizeLimitMiddleware, DrainingMiddleware
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,8 +56,6 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})
 # Seconds a server whose engine core died keeps answering (errors, /health 503) before it exits.
 ENGINE_DEAD_EXIT_DELAY_S = 2.0
-# Seconds uvicorn lets open streams run after a stop signal before it cancels them.
-GRACEFUL_SHUTDOWN_S = 5
 
 
 class APIKeyMiddleware:
@@ -90,8 +98,29 @@ async def exit_when_engine_dies(engine: AsyncLLM) -> None:
     os._exit(1)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, where a stop signal starts a drain (`app.state.draining`) and ends in
+    a normal exit: uvicorn itself re-raises the signal once done, which makes the exit code
+    -SIGTERM instead of 0."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.app_state = app.state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for requests in flight
+        self.should_exit = True
+        self.app_state.draining = True
+
+
 def build_app(
-    engine: AsyncLLM, served_model_name: str, api_key: str | None = None, enable_debug_routes: bool = False
+    engine: AsyncLLM,
+    served_model_name: str,
+    api_key: str | None = None,
+    enable_debug_routes: bool = False,
+    trust_request_chat_template: bool = False,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -101,12 +130,16 @@ def build_app(
         await engine.shutdown()
 
     app = FastAPI(title="Pagoda", lifespan=lifespan)
+    app.state.draining = False
     install_error_handlers(app)
+    # The last added runs first: drain check, then the key, then the body limit.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(DrainingMiddleware, state=app.state)
     completions = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name)
-    tokenization = OpenAIServingTokenization(engine, served_model_name)
+    chat = OpenAIServingChat(engine, served_model_name, trust_request_chat_template)
+    tokenization = OpenAIServingTokenization(engine, served_model_name, trust_request_chat_template)
     max_model_len = engine.config.model_config.max_model_len
 
     @app.get("/health")
@@ -155,18 +188,29 @@ def build_app(
 
 
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
-    config = EngineConfig.create(model=args.model, **engine_kwargs)
+    config = EngineConfig.create(
+        model=args.model, max_num_queued_requests=args.max_num_queued_requests, **engine_kwargs
+    )
     engine = AsyncLLM(config)
     try:
-        app = build_app(engine, args.served_model_name or served_name(config), args.api_key, args.enable_debug_routes)
+        app = build_app(
+            engine,
+            args.served_model_name or served_name(config),
+            args.api_key,
+            args.enable_debug_routes,
+            args.trust_request_chat_template,
+            args.max_request_body_bytes,
+        )
         logger.warning("serving %s on http://%s:%d", config.model_config.model, args.host, args.port)
-        uvicorn.run(
+        uvicorn_config = uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            timeout_graceful_shutdown=args.shutdown_timeout,
         )
+        server = DrainingServer(uvicorn_config, app)
+        server.run()
     finally:
         engine.client.shutdown()  # uvicorn's lifespan did it already unless the server failed to start
-    return 0
+    return 0 if server.started else 1

@@ -5,6 +5,24 @@ from __future__ import annotations
 
 import argparse
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_NUM_QUEUED_REQUESTS = 4096
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
@@ -12,6 +30,32 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     group.add_argument("--served-model-name", default=None, help="model name for clients (default: file name)")
+    group.add_argument(
+        "--max-num-queued-requests",
+        type=_positive_int,
+        default=DEFAULT_MAX_NUM_QUEUED_REQUESTS,
+        help="requests (each of n samples counts) that may wait for the batch; more get 503 at once "
+        f"(default {DEFAULT_MAX_NUM_QUEUED_REQUESTS})",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BODY_BYTES})",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative_float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="seconds requests in flight may run on after SIGTERM before they are cancelled "
+        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})",
+    )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept chat_template and chat_template_kwargs in requests (rendered in a Jinja sandbox, "
+        "but a template can still cost the server much time)",
+    )
     group.add_argument(
         "--enable-debug-routes", action="store_true", help="add GET /debug/idle (the engine's idle check, for tests)"
     )

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda.engine.async_llm import EngineOverloadedError
 from pagoda.engine.core_client import EngineDeadError
 from pagoda.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagoda.errors import InvalidRequestError
@@ -22,6 +23,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
@@ -29,26 +31,42 @@ _TYPES = {
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 
 
+# Longest echo of a bad value in an error message (a value may be megabytes long).
+_MAX_ECHO_CHARS = 200
+# Seconds an overloaded server asks clients to wait before retrying.
+RETRY_AFTER_S = 1
+
+
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         info = ErrorInfo(message=self.message, type=_TYPES.get(self.status, "error"), param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid_request(error: InvalidRequestError, param_names: dict[str, str] | None = None) -> OpenAIError:
-    """A 400 for an engine-side validation error, its field renamed to the one the client sent."""
+    """A 400 for an engine-side validation error, its field renamed to the one the client sent
+    (and named first in the message, which speaks of the engine's field)."""
     param = (param_names or {}).get(error.param, error.param)
-    return OpenAIError(400, str(error), param=param)
+    message = str(error) if param == error.param else f"{param}: {error}"
+    return OpenAIError(400, message, param=param)
 
 
 def validation_error(error: RequestValidationError) -> OpenAIError:
@@ -64,7 +82,8 @@ def validation_error(error: RequestValidationError) -> OpenAIError:
     param = _param_path([part for part in first["loc"] if part != "body"])
     message = str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"]
     if first["type"] != "missing" and "input" in first:
-        message += f", got {first['input']!r}"
+        echo = repr(first["input"])
+        message += f", got {echo if len(echo) <= _MAX_ECHO_CHARS else echo[:_MAX_ECHO_CHARS] + '...'}"
     if not param:
         return OpenAIError(400, f"request body: {message}")
     return OpenAIError(400, f"{param}: {message}", param=param)
@@ -86,6 +105,9 @@ def to_openai_error(error: Exception) -> OpenAIError:
         return error
     if isinstance(error, InvalidRequestError):
         return invalid_request(error)
+    if isinstance(error, EngineOverloadedError):
+        # 503, not 429: the whole server is full, not this client over a quota of its own.
+        return OpenAIError(503, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(error, EngineDeadError):
         return OpenAIError(503, f"the engine is not running: {str(error).splitlines()[0]}")
     logger.error("unexpected error serving a request", exc_info=error)
@@ -100,6 +122,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
         return OpenAIError(error.status_code, str(error.detail)).response()
+
+    async def _expected(_: Request, error: Exception) -> JSONResponse:
+        return to_openai_error(error).response()
+
+    # Errors a request may cause, answered without the traceback kept for unexpected ones.
+    for expected in (OpenAIError, InvalidRequestError, EngineOverloadedError, EngineDeadError):
+        app.add_exception_handler(expected, _expected)
 
     @app.exception_handler(Exception)
     async def _any(_: Request, error: Exception) -> JSONResponse:

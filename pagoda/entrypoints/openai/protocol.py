@@ -64,6 +64,7 @@ class SamplingFields(StrictModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None
     # A tenant's key for the prefix cache: only requests with the same salt share cached blocks.
     cache_salt: str | None = None
     stream: bool = False
@@ -91,7 +92,15 @@ class ChatMessage(StrictModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(StrictModel):
+    """A template and template variables sent by the client: refused unless the server runs
+    with --trust-request-chat-template (a template is code, if sandboxed)."""
+
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -100,7 +109,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(ChatTemplateFields):
     """Either a prompt (tokenized as is) or messages (rendered with the chat template)."""
 
     model: str | None = None

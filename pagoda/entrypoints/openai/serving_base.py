@@ -45,6 +45,7 @@ SHARED_SAMPLING_FIELDS = (
     "ignore_eos",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "truncate_prompt_tokens",
 )
 
 
@@ -52,10 +53,11 @@ class OpenAIServing:
     # SamplingParams / engine field names -> the request field a client sent, for error messages.
     param_names: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_name: str, trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.tokenizer = engine.tokenizer
+        self.trust_request_chat_template = trust_request_chat_template
 
     def check_request(self, body: SamplingFields) -> None:
         """What pydantic cannot check alone: the model name, and stream_options only with stream."""

@@ -20,9 +20,9 @@ from pagoda.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
-    ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
+    TokenizeRequest,
     TopLogprob,
 )
 from pagoda.entrypoints.openai.serving_base import OpenAIServing, clamp_logprob, created, make_usage, top_candidates
@@ -39,7 +39,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-        prompt = render_messages(self.tokenizer, body.messages, body.add_generation_prompt)
+        prompt = render_messages(self.tokenizer, body, self.trust_request_chat_template)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         response_id, request_ids = self.start([prompt], params, "chatcmpl", body.cache_salt)
@@ -140,11 +140,23 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def render_messages(
-    tokenizer: PreTrainedTokenizerBase | None, messages: list[ChatMessage], add_generation_prompt: bool
+    tokenizer: PreTrainedTokenizerBase | None,
+    body: ChatCompletionRequest | TokenizeRequest,
+    trust_request_chat_template: bool,
 ) -> list[int]:
-    """The conversation's prompt token ids under the model's chat template."""
+    """The conversation's prompt token ids under the model's chat template (or the request's,
+    when the server trusts requests with templates)."""
     if tokenizer is None:
         raise OpenAIError(400, "this model has no tokenizer, so no chat template: use /v1/completions", "messages")
+    assert body.messages is not None
+    for field in ("chat_template", "chat_template_kwargs"):
+        if getattr(body, field) is not None and not trust_request_chat_template:
+            raise OpenAIError(
+                400,
+                f"{field} is not accepted by this server: a template is code run on the server "
+                "(start it with --trust-request-chat-template to allow it)",
+                field,
+            )
     conversation = [
         {
             "role": "system" if message.role == "developer" else message.role,
@@ -152,9 +164,11 @@ def render_messages(
             if isinstance(message.content, str)
             else "\n".join(p.text for p in message.content),
         }
-        for message in messages
+        for message in body.messages
     ]
     try:
-        return render_chat(tokenizer, conversation, add_generation_prompt)
+        return render_chat(
+            tokenizer, conversation, body.add_generation_prompt, body.chat_template, body.chat_template_kwargs
+        )
     except InvalidRequestError as error:
         raise invalid_request(error, OpenAIServingChat.param_names) from error

@@ -13,11 +13,11 @@ class OpenAIServingTokenization(OpenAIServing):
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
         if body.messages is not None:
-            tokens = render_messages(self.tokenizer, body.messages, body.add_generation_prompt)
+            tokens = render_messages(self.tokenizer, body, self.trust_request_chat_template)
         elif self.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer", "prompt")
         else:
-            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = self.engine.engine.processor.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         max_model_len = self.engine.config.model_config.max_model_len
         return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
 
