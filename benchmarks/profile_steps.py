@@ -1,7 +1,8 @@
 """Where a nanobench engine step spends its time on the GPU machine.
 
-Runs the nanobench workload step by step through `LLMEngine`, and over a window of steps
-in steady decode records a torch profiler trace: GPU kernel time by kernel, host time by
+Runs the nanobench workload (or, with `--batch-size N`, N requests of 32 prompt tokens
+decoding at once) step by step through `LLMEngine`, and over a window of steps in steady
+decode records a torch profiler trace: GPU kernel time by kernel, host time by
 phase, and the step's wall time, so the gap between GPU busy time and wall time (host
 overhead the GPU waits for) shows. Usage, from the repo root:
 
@@ -16,7 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pagoda import LLM
+from pagoda import LLM, SamplingParams
 from pagoda.benchmarks.throughput import nanobench_workload
 
 
@@ -33,12 +34,17 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=30)
     parser.add_argument("--trace", default=None)
     parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=0, help="0: nanobench")
     args = parser.parse_args()
 
     llm = LLM(model=args.model, load_format=args.load_format, dtype="bfloat16")
     engine = llm.llm_engine
     workload = nanobench_workload(args.num_prompts)
-    for i, (prompt, params) in enumerate(zip(workload.prompts, workload.sampling_params(), strict=True)):
+    prompts, sampling_params = workload.prompts, workload.sampling_params()
+    if args.batch_size:
+        prompts = [prompt[:32] for prompt in prompts[: args.batch_size]]
+        sampling_params = [SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)] * args.batch_size
+    for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
         engine.add_request(prompt, params, request_id=str(i))
     step_times = []
     for _ in range(args.warm_steps):
@@ -61,7 +67,9 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"window: {args.profile_steps} steps, wall {window * 1e3:.1f} ms ({window / args.profile_steps * 1e3:.2f} ms/step)")
+    print(
+        f"window: {args.profile_steps} steps, wall {window * 1e3:.1f} ms ({window / args.profile_steps * 1e3:.2f} ms/step)"
+    )
     print(f"GPU kernel time in window: {gpu_us / 1e3:.1f} ms ({gpu_us / 1e3 / args.profile_steps:.2f} ms/step)")
     print(f"unprofiled steps: {len(step_times)}, total {sum(step_times):.2f} s; preemptions {stats.num_preemptions}")
     if args.trace:
