@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from pagoda.errors import InvalidRequestError
@@ -19,6 +18,11 @@ MAX_NUM_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_NUM_BAD_WORDS = 128
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# The sampler holds counts in int32 and divides by temperature and repetition_penalty in float32:
+# the bounds keep every value, and its inverse, a normal number there (far past any useful one).
+_INT32_MAX = 2**31 - 1
+MAX_TEMPERATURE = 1e4
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
 
 
 class SamplingParamsError(InvalidRequestError):
@@ -98,24 +102,25 @@ class SamplingParams:
 
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"an integer in [1, {MAX_N}]", self.n)
-        if not self.temperature >= 0.0 or math.isinf(self.temperature):
-            raise bad("temperature", "a finite number >= 0", self.temperature)
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"a finite number >= 0 and <= {MAX_TEMPERATURE:g}", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]", self.top_p)
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "an integer >= -1 (-1 or 0: off)", self.top_k)
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= _INT32_MAX:
+            raise bad("top_k", "an integer >= -1 and < 2**31 (-1 or 0: off)", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]", self.min_p)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise bad(name, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", getattr(self, name))
-        if not 0.0 < self.repetition_penalty < math.inf:
-            raise bad("repetition_penalty", "a finite number > 0 (1: off)", self.repetition_penalty)
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            limits = f"[{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]"
+            raise bad("repetition_penalty", f"a number > 0 in {limits} (1: off)", self.repetition_penalty)
         self._validate_token_settings(bad)
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1", self.max_tokens)
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0", self.min_tokens)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= _INT32_MAX:
+            raise bad("min_tokens", "an integer >= 0 and < 2**31", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         if self.seed is not None and (not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX):
