@@ -97,6 +97,7 @@ def test_a_refused_request_leaves_the_others_running(remote: LLMEngine, tiny_mod
     while remote.has_unfinished_requests():
         finished.update({o.request_id: o for o in remote.step() if o.finished})
     assert finished[too_big].outputs[0].finish_reason == "error"
+    assert "KV cache blocks" in finished[too_big].outputs[0].error
     assert "KV cache blocks" in remote.engine_core.request_errors.pop(too_big)
     assert len(finished[fine].outputs[0].token_ids) == 5
     remote.check_idle()

@@ -212,6 +212,8 @@ class OutputProcessor:
         state.output_token_ids.extend(core_output.new_token_ids)
         self._add_logprobs(state, core_output)
         finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
+        if core_output.error is not None:  # the core refused it (e.g. its KV pool is too small for it)
+            state.error = core_output.error
         if state.detokenizer is not None and core_output.new_token_ids:
             new_text = state.detokenizer.push(core_output.new_token_ids)
             state.text += new_text
