@@ -105,7 +105,7 @@ def test_a_request_whose_processing_raises_fails_alone(smollm2_engine, monkeypat
 
 @needs_smollm2
 def test_async_reader_of_a_failed_request_gets_its_error(monkeypatch) -> None:
-    from pagoda.engine.async_llm import AsyncLLM
+    AsyncLLM = pytest.importorskip("pagoda.engine.async_llm").AsyncLLM  # needs pyzmq
 
     inject(monkeypatch, "stop-string")
     llm = AsyncLLM(EngineConfig.create(dtype="float32", device="cpu", max_model_len=256))
@@ -177,7 +177,7 @@ async def read_all(llm, request_id: str) -> None:
 
 
 def test_a_failed_forward_in_the_core_process_fails_every_request(tiny_model: str, monkeypatch) -> None:
-    from pagoda.engine.async_llm import AsyncLLM
+    AsyncLLM = pytest.importorskip("pagoda.engine.async_llm").AsyncLLM  # needs pyzmq
 
     monkeypatch.setenv("PAGODA_TEST_CORE_FAULT", "raise@4")
     llm = AsyncLLM(tiny_config(tiny_model))
@@ -207,7 +207,7 @@ def test_a_failed_forward_in_the_core_process_fails_every_request(tiny_model: st
 
 
 def test_a_hung_forward_turns_the_engine_unhealthy(tiny_model: str, monkeypatch) -> None:
-    from pagoda.engine.async_llm import AsyncLLM
+    AsyncLLM = pytest.importorskip("pagoda.engine.async_llm").AsyncLLM  # needs pyzmq
 
     monkeypatch.setenv("PAGODA_TEST_CORE_FAULT", "hang@3")
     llm = AsyncLLM(tiny_config(tiny_model), stall_timeout_s=1.0)
