@@ -14,6 +14,7 @@ from collections import Counter
 
 import httpx
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("schemathesis")
@@ -45,6 +46,14 @@ ALIASES = {"max_completion_tokens": {"max_tokens"}, "logprobs": {"top_logprobs",
 # defaults to 16 in completions (OpenAI's default) and must fit the context like a sent one.
 ALWAYS_PRESENT = {"prompt", "messages", "max_tokens"}
 REQUIRED_FIELDS = {"tokens"}  # /detokenize's
+
+
+@pytest.fixture(autouse=True)
+def subnormal_floats():
+    """Engines built in this process earlier (other tests) flush denormals to zero, a CPU speed
+    setting that is process-wide; hypothesis needs subnormal floats to draw its floats."""
+    torch.set_flush_denormal(False)
+    yield
 
 
 @pytest.fixture(scope="module")
