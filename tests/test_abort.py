@@ -142,8 +142,14 @@ def test_abort_after_the_core_finished_but_before_the_output_was_drained(tiny_mo
             assert time.monotonic() < deadline
             client._receive(block=True)  # the core's reports are read, not drained into outputs
         assert engine.output_processor.has_request(request_id), "drained before the abort"
+        # Under load sample 0 can finish (and be drained) while its siblings wait to join: those
+        # keep their own finish reason; every sample still in flight is aborted.
+        already_done = {c.index for c in parent.completions if c.finished} if parent is not None else set()
         (final,) = engine.abort_requests([request_id])
-        assert [c.finish_reason for c in final.outputs] == ["abort"] * n
+        assert [c.finish_reason for c in final.outputs if c.index not in already_done] == ["abort"] * (
+            n - len(already_done)
+        )
+        assert len(already_done) < n
         assert drain(engine) == []  # the core's final outputs arrive and are dropped
         engine.check_idle()
     finally:
