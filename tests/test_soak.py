@@ -69,9 +69,10 @@ class SoakResult:
     seconds: float = 0.0
 
 
-def soak_config() -> EngineConfig:
+def soak_config(async_scheduling: bool) -> EngineConfig:
     # 40 blocks of 16 tokens for up to 64 sequences of up to ~50 tokens: they preempt each other.
     return EngineConfig.create(
+        async_scheduling=async_scheduling,
         dtype="float32",
         device="cpu",
         max_model_len=256,
@@ -162,8 +163,8 @@ async def soak(llm: AsyncLLM, size: SoakSize, seed: int) -> SoakResult:
     return result
 
 
-def run_soak(size: SoakSize, seed: int = 0) -> SoakResult:
-    llm = AsyncLLM(soak_config())
+def run_soak(size: SoakSize, seed: int = 0, async_scheduling: bool = False) -> SoakResult:
+    llm = AsyncLLM(soak_config(async_scheduling))
 
     async def main() -> SoakResult:
         try:
@@ -187,8 +188,11 @@ def run_soak(size: SoakSize, seed: int = 0) -> SoakResult:
     return result
 
 
-def test_soak_ci() -> None:
-    run_soak(SOAK_CI)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_soak_ci(async_scheduling: bool) -> None:
+    """Also with the batch queue at depth 2 (CUDA's default): cancels and preemptions land
+    while a step is in flight."""
+    run_soak(SOAK_CI, async_scheduling=async_scheduling)
 
 
 @pytest.mark.slow
