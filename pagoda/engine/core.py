@@ -6,14 +6,24 @@ scheduling, the default on CUDA) the host schedules and launches step N+1 while 
 still runs step N, then waits for step N's sampled ids and updates the scheduler with them
 while the device runs step N+1: host work hides behind the device. The scheduler counts
 tokens still in flight, so stops found one step late drop the extra token.
+
+Sleep mode: `sleep` hands the device memory of the weights and the KV cache back (only when
+idle); while any of it sleeps, `step` schedules nothing and `add_request` raises
+EngineSleepingError. Requests are refused rather than held because a held request would
+never finish: offline `LLM.generate` steps until its requests are done, in the same thread
+that would have to call `wake_up`, so waiting would deadlock it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable
+
+import torch
 
 from pagoda.config import EngineConfig
+from pagoda.engine.errors import EngineSleepingError
 from pagoda.executor.abstract import Executor
 from pagoda.executor.uniproc import UniProcExecutor
 from pagoda.outputs import AsyncModelRunnerOutput, EngineCoreOutput, ModelRunnerOutput
@@ -33,8 +43,15 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         self.batch_queue_size = 2 if config.scheduler_config.async_scheduling else 1
         self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput | AsyncModelRunnerOutput]] = deque()
+        # The executor's released memory tags, kept here so that every step need not ask.
+        self.sleeping_tags: list[str] = []
 
     def add_request(self, request: Request) -> None:
+        if self.sleeping_tags:
+            raise EngineSleepingError(
+                f"the engine is sleeping ({', '.join(self.sleeping_tags)} released): "
+                f"call wake_up before adding request {request.request_id!r}"
+            )
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -50,6 +67,8 @@ class EngineCore:
         )
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.sleeping_tags:
+            return []
         if len(self.batch_queue) < self.batch_queue_size and (
             self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
         ):
@@ -65,6 +84,55 @@ class EngineCore:
         if isinstance(model_runner_output, AsyncModelRunnerOutput):
             model_runner_output = model_runner_output.get_output()
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    # ---- sleep mode and weight updates -----------------------------------------------------
+
+    def is_sleeping(self) -> bool:
+        """True while any of the weights or the KV cache is released (partly awake counts)."""
+        return bool(self.sleeping_tags)
+
+    def sleep(self, level: int) -> None:
+        """Release the weights (level 1: offloaded to CPU; 2: dropped) and the KV cache."""
+        self._require_idle("sleep")
+        try:
+            self.executor.sleep(level)
+        finally:
+            self.sleeping_tags = self.executor.sleeping_tags()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore `tags` ("weights", "kv_cache"; default both). A woken KV cache is empty, so
+        the prefix cache forgets every block it had cached."""
+        try:
+            self.executor.wake_up(tags)
+        finally:
+            woke_kv_cache = "kv_cache" in self.sleeping_tags and "kv_cache" not in self.executor.sleeping_tags()
+            self.sleeping_tags = self.executor.sleeping_tags()
+            if woke_kv_cache:
+                self.scheduler.reset_prefix_cache()
+
+    def update_weights(self, path: str) -> None:
+        """Load the checkpoint at `path` into the weights in place (it must fill every one)."""
+        self._update_weights(path)
+
+    def update_weights_from_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy (HF name, tensor) pairs into the weights in place; returns the names loaded.
+        In-process only: the tensors are not sent to a core in another process."""
+        return self._update_weights(weights)
+
+    def _update_weights(self, weights: str | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        self._require_idle("update weights")
+        try:
+            return self.executor.update_weights(weights)
+        finally:
+            # Cached KV blocks were computed with the old weights (even on a partial failure).
+            self.scheduler.reset_prefix_cache()
+
+    def _require_idle(self, action: str) -> None:
+        if self.has_work():
+            raise RuntimeError(
+                f"cannot {action} while the engine is busy ({self.scheduler.get_num_unfinished_requests()} "
+                f"unfinished requests, {len(self.batch_queue)} batches in flight): finish or abort them first"
+            )
 
     def check_idle(self) -> None:
         """Raise AssertionError unless no request state is left anywhere and the KV pool is whole."""

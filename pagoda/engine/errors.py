@@ -18,3 +18,7 @@ class RequestFailedError(RuntimeError):
         super().__init__(f"request {request_id!r} failed in the engine: {reason}")
         self.request_id = request_id
         self.reason = reason
+
+
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine whose memory is asleep (see `EngineCore.sleep`)."""

@@ -11,6 +11,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Iterable
+
+import torch
 
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
@@ -142,6 +145,33 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.engine_core.has_work()
+
+    # ---- sleep mode and weight updates (the core does the work; see EngineCore) -------------
+
+    def sleep(self, level: int) -> None:
+        self._check_alive()
+        self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._check_alive()
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        self._check_alive()
+        return self.engine_core.is_sleeping()
+
+    def update_weights(self, path: str) -> None:
+        self._check_alive()
+        self.engine_core.update_weights(path)
+
+    def update_weights_from_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """In-process cores only: the tensors are handed over, not sent."""
+        self._check_alive()
+        return self.engine_core.update_weights_from_tensors(weights)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
 
     def check_idle(self) -> None:
         """Raise AssertionError unless no request state is left in any layer and the KV pool is

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from pagoda.config import EngineConfig
@@ -21,6 +23,30 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig.create(model=model, **engine_kwargs))
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory between uses (needs enable_sleep_mode=True and an idle engine):
+        level 1 offloads the weights to CPU memory and drops the KV cache; level 2 drops both
+        (wake_up reloads the weights from the model's source). Requests are refused while asleep."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore `tags` ("weights", "kv_cache"; default both). The engine serves again once
+        both are awake; the prefix cache starts empty."""
+        self.llm_engine.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def update_weights(self, weights: str | os.PathLike | Iterable[tuple[str, torch.Tensor]]) -> list[str] | None:
+        """Load new weights in place, with the loader's name mapping and no graph re-capture:
+        a checkpoint path (filling every weight), or (HF name, tensor) pairs (any subset; their
+        names are returned). The prefix cache is reset: its blocks came from the old weights."""
+        if isinstance(weights, (str, os.PathLike)):
+            self.llm_engine.update_weights(os.fspath(weights))
+            return None
+        return self.llm_engine.update_weights_from_tensors(weights)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+
+import torch
 
 from pagoda.config import EngineConfig
 from pagoda.executor.abstract import Executor
@@ -59,6 +62,18 @@ class UniProcExecutor(Executor):
         output = self.worker.execute_model(scheduler_output)
         assert output is not None, "the driver worker always returns an output"
         return output
+
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.worker.wake_up(tags)
+
+    def sleeping_tags(self) -> list[str]:
+        return self.worker.sleeping_tags()
+
+    def update_weights(self, weights: str | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        return self.worker.update_weights(weights)
 
     def shutdown(self) -> None:
         """Nothing to stop: the worker lives in this process and goes with it."""

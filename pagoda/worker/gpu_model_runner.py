@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,6 +145,18 @@ class GPUModelRunner:
         self.model = get_model(self.model_config, self.attn_backend, self.device)
         if self.memory_pool is not None:
             self.memory_pool.pack_module(self.model, "weights")
+
+    def reload_weights(self) -> None:
+        """Fill the weights in place from the model's source (after sleep level 2 dropped them)."""
+        from pagoda.model.loader.model_loader import load_weights_from_source
+
+        load_weights_from_source(self.model, self.model_config)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy (HF name, tensor) pairs into the parameters in place (addresses, and so CUDA
+        graphs, stay valid); returns the HF names loaded."""
+        return self.model.load_weights(weights)
 
     def get_kv_cache_block_bytes(self) -> int:
         """Bytes one KV block takes across all layers (K and V)."""

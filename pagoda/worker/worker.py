@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 
 import torch
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import init_parallel_state
+from pagoda.model.loader.model_loader import check_weights_complete, iter_checkpoint_weights
 from pagoda.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.worker.gpu_model_runner import GPUModelRunner
@@ -21,6 +23,10 @@ from pagoda.worker.tagged_memory import TaggedMemoryPool
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+
+WEIGHTS_TAG = "weights"
+KV_CACHE_TAG = "kv_cache"
+SLEEP_TAGS = (WEIGHTS_TAG, KV_CACHE_TAG)
 
 
 class Worker:
@@ -47,6 +53,8 @@ class Worker:
         self.model_runner: GPUModelRunner | None = None
         self.memory_pool: TaggedMemoryPool | None = None
         self.device: torch.device | None = None
+        # Set by sleep(level=2): the weights tag then restores zeros and must be refilled.
+        self._weights_need_reload = False
 
     def init_device(self) -> None:
         if self.device_config.is_cuda:
@@ -126,3 +134,77 @@ class Worker:
         assert self.model_runner is not None
         output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
         return output if self.is_driver_worker else None
+
+    # ---- sleep mode ------------------------------------------------------------------------
+
+    def _sleep_pool(self) -> TaggedMemoryPool:
+        if self.memory_pool is None:
+            raise RuntimeError("sleep mode is off: build the engine with enable_sleep_mode=True")
+        return self.memory_pool
+
+    def sleeping_tags(self) -> list[str]:
+        """The tags whose device memory is released now (empty when awake or without sleep mode)."""
+        if self.memory_pool is None:
+            return []
+        return [tag for tag in SLEEP_TAGS if self.memory_pool.is_released(tag)]
+
+    def sleep(self, level: int) -> None:
+        """Hand the device memory back: level 1 offloads the weights to pinned CPU memory and
+        drops the KV cache; level 2 drops both (wake_up reloads the weights from their source).
+        Tags already asleep stay as they are."""
+        pool = self._sleep_pool()
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        awake = [tag for tag in SLEEP_TAGS if not pool.is_released(tag)]
+        if not awake:
+            raise RuntimeError("the worker is already asleep: call wake_up first")
+        if WEIGHTS_TAG in awake:
+            pool.release(WEIGHTS_TAG, offload=level == 1)
+            self._weights_need_reload = level == 2
+        if KV_CACHE_TAG in awake:
+            pool.release(KV_CACHE_TAG, offload=False)
+        if self.device_config.is_cuda:
+            torch.cuda.empty_cache()  # torch's cached free blocks go back too, so mem_get_info shows it
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Give `tags` (default: every sleeping tag) device memory again at the same addresses,
+        so CUDA graphs stay valid. The KV cache comes back zeroed: its contents are gone."""
+        pool = self._sleep_pool()
+        sleeping = self.sleeping_tags()
+        if tags is None:
+            if not sleeping:
+                raise RuntimeError("the worker is not asleep: nothing to wake up")
+            tags = sleeping
+        for tag in tags:
+            if tag not in SLEEP_TAGS:
+                raise ValueError(f"unknown sleep tag {tag!r}; tags are {list(SLEEP_TAGS)}")
+            if tag not in sleeping:
+                raise RuntimeError(f"tag {tag!r} is awake: only sleeping tags ({sleeping}) can be woken")
+        if WEIGHTS_TAG in tags:
+            pool.restore(WEIGHTS_TAG)
+            if self._weights_need_reload:
+                self.model_runner.reload_weights()
+                self._weights_need_reload = False
+        if KV_CACHE_TAG in tags:
+            pool.restore(KV_CACHE_TAG)
+
+    def update_weights(self, weights: str | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy new weights into the parameters in place; returns the HF names loaded.
+
+        `weights`: a checkpoint path (an HF safetensors directory or a .gguf file), which must
+        fill every parameter, or (HF name, tensor) pairs named as in a checkpoint, any subset.
+        Unknown names and shape mismatches raise ValueError naming the weight; tensors copied
+        before the bad one stay copied.
+        """
+        assert self.model_runner is not None
+        if WEIGHTS_TAG in self.sleeping_tags():
+            raise RuntimeError("the weights are asleep: call wake_up(['weights']) before update_weights")
+        if isinstance(weights, str):
+            hf_config = self.config.model_config.hf_config
+            loaded = self.model_runner.load_weights(iter_checkpoint_weights(weights, hf_config))
+            check_weights_complete(self.model_runner.model, loaded, weights)
+        else:
+            loaded = self.model_runner.load_weights(weights)
+        if self.device_config.is_cuda:
+            torch.cuda.synchronize(self.device)  # the host tensors may be reused once this returns
+        return sorted(loaded)

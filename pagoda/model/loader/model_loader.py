@@ -47,12 +47,33 @@ def _check_attention_fits(model_config: ModelConfig) -> None:
         )
 
 
-def _checkpoint_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    if model_config.load_format == "gguf":
+def iter_checkpoint_weights(path: str, hf_config: object) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of the checkpoint at `path`: a GGUF file, else an HF safetensors directory."""
+    if path.endswith(".gguf"):
         from pagoda.model.loader.gguf_loader import iter_gguf_weights
 
-        return iter_gguf_weights(model_config.model, model_config.hf_config)
-    return iter_safetensors_weights(model_config.model)
+        return iter_gguf_weights(path, hf_config)
+    return iter_safetensors_weights(path)
+
+
+def check_weights_complete(model: nn.Module, loaded: set[str], source: str) -> None:
+    """Raise ValueError naming the parameters `source` did not fill."""
+    missing = sorted(model.expected_weight_names() - loaded)
+    if missing:
+        shown = ", ".join(missing[:_MAX_NAMES_SHOWN])
+        more = f" and {len(missing) - _MAX_NAMES_SHOWN} more" if len(missing) > _MAX_NAMES_SHOWN else ""
+        raise ValueError(f"model {source}: {len(missing)} weights missing from the checkpoint: {shown}{more}")
+
+
+@torch.no_grad()
+def load_weights_from_source(model: nn.Module, model_config: ModelConfig) -> None:
+    """Fill `model`'s parameters in place from `model_config`'s source (dummy weights are seeded,
+    so filling again reproduces them exactly)."""
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, model_config.seed)
+        return
+    loaded = model.load_weights(iter_checkpoint_weights(model_config.model, model_config.hf_config))
+    check_weights_complete(model, loaded, model_config.model)
 
 
 def get_model(model_config: ModelConfig, attn_backend: AttentionBackend, device: torch.device | str) -> nn.Module:
@@ -65,16 +86,5 @@ def get_model(model_config: ModelConfig, attn_backend: AttentionBackend, device:
     _check_attention_fits(model_config)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_class(model_config.hf_config, attn_backend)
-    with torch.no_grad():
-        if model_config.load_format == "dummy":
-            init_dummy_weights(model, model_config.seed)
-        else:
-            loaded = model.load_weights(_checkpoint_weights(model_config))
-            missing = sorted(model.expected_weight_names() - loaded)
-            if missing:
-                shown = ", ".join(missing[:_MAX_NAMES_SHOWN])
-                more = f" and {len(missing) - _MAX_NAMES_SHOWN} more" if len(missing) > _MAX_NAMES_SHOWN else ""
-                raise ValueError(
-                    f"model {model_config.model}: {len(missing)} weights missing from the checkpoint: {shown}{more}"
-                )
+    load_weights_from_source(model, model_config)
     return model.eval()
