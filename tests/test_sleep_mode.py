@@ -213,3 +213,44 @@ def test_update_weights_path_must_fill_every_weight(checkpoint, tmp_path) -> Non
     llm = LLM(model=checkpoint, **engine_kwargs())
     with pytest.raises(ValueError, match=r"weights missing from the checkpoint: model.layers.1"):
         llm.update_weights(str(tmp_path))
+
+
+# ---- on the GPU (`pytest -m gpu tests/test_sleep_mode.py`): tagged CUDA virtual memory and
+# CUDA graphs captured once, before any sleep, used after every wake-up and weight update.
+
+
+def cuda_kwargs() -> dict:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return engine_kwargs(device="cuda", attention_backend="triton", async_scheduling=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_gpu_sleep_wake_and_update_weights_through_cuda_graphs(checkpoint, second_checkpoint, level: int) -> None:
+    kwargs = cuda_kwargs()
+    expected = greedy(LLM(model=second_checkpoint, **kwargs))
+    llm = LLM(model=checkpoint, **kwargs)
+    assert llm.llm_engine.engine_core.executor.worker.model_runner.cudagraph_manager is not None
+    before = greedy(llm)
+    llm.sleep(level)
+    llm.wake_up(["weights"])
+    llm.wake_up(["kv_cache"])
+    assert greedy(llm) == before
+    llm.update_weights(second_checkpoint)
+    assert greedy(llm) == expected
+    llm.llm_engine.check_idle()
+
+
+@pytest.mark.gpu
+def test_gpu_sleep_hands_memory_back_at_a_real_shape() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sleep_gpu import measure
+
+    figures = measure("qwen3-0.6b", num_gpu_blocks=512)
+    assert figures.freed_gib[1] > 1.0 and figures.freed_gib[2] > 1.0
