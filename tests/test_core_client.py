@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("zmq")
 
@@ -140,3 +141,64 @@ def test_the_core_dies_with_its_parent(tiny_model: str) -> None:
     finally:
         parent.kill()
         parent.wait(10)
+
+
+def test_sleep_wake_and_weight_updates_run_in_the_core(tiny_model: str, tmp_path) -> None:
+    """Utility calls cross the process boundary: their errors come back as exceptions with the
+    core's message (the core serves on), and greedy output after each wake-up is the same."""
+    config = EngineConfig.create(
+        model=tiny_model,
+        device="cpu",
+        dtype="float32",
+        max_model_len=128,
+        num_gpu_blocks=13,
+        block_size=8,
+        enable_sleep_mode=True,
+    )
+    client = EngineCoreClient(config)
+    engine = LLMEngine(config, engine_core=client)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    try:
+        before = [o.outputs[0].token_ids for o in run_to_end(engine, PROMPTS[:2], greedy)]
+        assert client.is_sleeping() is False
+        busy = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=60, ignore_eos=True))
+        with pytest.raises(RuntimeError, match="cannot sleep while the engine is busy"):
+            client.sleep(1)
+        engine.abort_requests([busy])
+        with pytest.raises(ValueError, match="sleep level must be 1 or 2"):
+            client.sleep(3)
+        with pytest.raises(ValueError, match="unknown engine core utility 'shutdown'"):
+            client.call_utility("shutdown")
+
+        client.sleep(1)
+        assert client.is_sleeping() is True
+        (refused,) = run_to_end(engine, [PROMPTS[1]], greedy)
+        assert refused.outputs[0].finish_reason == "error" and "sleeping" in refused.outputs[0].error
+        with pytest.raises(ValueError, match="unknown sleep tag 'gpu'"):
+            client.wake_up(["gpu"])
+        client.wake_up(["kv_cache"])
+        assert client.is_sleeping() is True
+        client.wake_up(["weights"])
+        assert client.is_sleeping() is False
+        assert [o.outputs[0].token_ids for o in run_to_end(engine, PROMPTS[:2], greedy)] == before
+
+        client.sleep(2)  # weights dropped: wake_up reloads them from the checkpoint
+        client.wake_up()
+        assert [o.outputs[0].token_ids for o in run_to_end(engine, PROMPTS[:2], greedy)] == before
+        engine.check_idle()
+
+        negated = str(tmp_path / "negated")
+        hf_model = save_tiny_checkpoint("llama3", negated)
+        with torch.no_grad():
+            for parameter in hf_model.parameters():
+                parameter.neg_()
+        hf_model.save_pretrained(negated)
+        expected = [o.outputs[0].token_ids for o in run_to_end(LLMEngine(make_config(negated)), PROMPTS[:2], greedy)]
+        assert expected != before
+        client.update_weights(negated)
+        assert [o.outputs[0].token_ids for o in run_to_end(engine, PROMPTS[:2], greedy)] == expected
+        with pytest.raises(ValueError, match=r"no \*.safetensors weights"):
+            client.update_weights(str(tmp_path / "missing"))
+        assert client.process.is_alive()
+    finally:
+        client.shutdown()

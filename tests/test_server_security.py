@@ -53,6 +53,7 @@ ROUTES = app_routes()
 def test_the_walk_sees_every_kind_of_route() -> None:
     paths = {path for _, path in ROUTES}
     assert {"/v1/completions", "/v1/chat/completions", "/metrics", "/openapi.json", "/docs", "/debug/idle"} <= paths
+    assert {"/sleep", "/wake_up", "/is_sleeping", "/update_weights"} <= paths
     assert {"/health"} == OPEN_PATHS
 
 

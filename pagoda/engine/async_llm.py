@@ -10,6 +10,12 @@ blocks.
 Health: the engine is unhealthy once its core died (every request in flight then fails with
 EngineDeadError and `died` is set) or while it has work and has completed no step for
 `stall_timeout_s` (default 60 s, or PAGODA_HEALTH_STALL_S): HTTP answering is not enough.
+A sleeping engine has no work, so it is healthy; a running utility call (a wake_up reloading
+weights) does not count as a stall either: its caller has a timeout.
+
+Sleep mode: from the moment `sleep()` is called until a `wake_up()` leaves nothing asleep, new
+requests are refused at once with EngineSleepingError (they do not wait for a wake-up that may
+never come); a sleep refused by the core (requests in flight) raises its error and changes nothing.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from pagoda.config import EngineConfig
-from pagoda.engine.core_client import EngineCoreClient
-from pagoda.engine.errors import EngineDeadError, RequestFailedError
+from pagoda.engine.core_client import DEFAULT_UTILITY_TIMEOUT_S, EngineCoreClient
+from pagoda.engine.errors import EngineDeadError, EngineSleepingError, RequestFailedError
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
 from pagoda.errors import InvalidRequestError
@@ -94,6 +100,8 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._output_task: asyncio.Task | None = None
         self._reported: asyncio.Condition | None = None
+        # True from a sleep() call until a wake_up() leaves nothing asleep: requests are refused.
+        self.sleeping = False
 
     def check_health(self) -> None:
         """Raise EngineDeadError, saying why, unless the engine core is alive, its outputs read,
@@ -124,6 +132,8 @@ class AsyncLLM:
         (one tenant's key) keeps their prefix-cache blocks apart from other salts'."""
         if self.dead_error is not None:
             raise self.dead_error
+        if self.sleeping:
+            raise EngineSleepingError("the engine is sleeping: wake it up first (POST /wake_up)")
         self._check_queue_room(sum(params.n for _, params, _ in requests))
         self._start_output_loop()
         arrival = time.monotonic()
@@ -217,6 +227,54 @@ class AsyncLLM:
         if not self.is_healthy:
             return "the engine core is dead"
         return self.client.idle_check_answers.pop(number)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Put the engine to sleep (see `EngineCore.sleep`); requests are refused from now on."""
+        was_sleeping, self.sleeping = self.sleeping, True
+        try:
+            await self.call_utility("sleep", level)
+        except BaseException:
+            self.sleeping = was_sleeping
+            raise
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `tags` names (None: everything); requests are served again once nothing sleeps."""
+        try:
+            await self.call_utility("wake_up", tags)
+        finally:
+            self.sleeping = await self.call_utility("is_sleeping")
+
+    async def is_sleeping(self) -> bool:
+        """The core's own answer, after every command sent before it."""
+        return await self.call_utility("is_sleeping")
+
+    async def update_weights(self, path: str) -> None:
+        """Load new weights in place from the checkpoint at `path`."""
+        await self.call_utility("update_weights", path)
+
+    async def call_utility(self, method: str, *args: object, timeout_s: float = DEFAULT_UTILITY_TIMEOUT_S) -> object:
+        """Run `method(*args)` in the core between steps; return its value or raise its error."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        self._start_output_loop()
+        assert self._reported is not None
+        number = self.client.send_utility(method, *args)
+        try:
+            async with self._reported:
+                await asyncio.wait_for(
+                    self._reported.wait_for(
+                        lambda: number in self.client.utility_results or self.dead_error is not None
+                    ),
+                    timeout_s,
+                )
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the engine core did not answer {method} within {timeout_s:g} s") from None
+        finally:
+            if number not in self.client.utility_results:
+                self.client.abandon_utility(number)
+        if self.dead_error is not None and number not in self.client.utility_results:
+            raise self.dead_error
+        return self.client.take_utility_result(number)
 
     async def shutdown(self) -> None:
         if self._output_task is not None:

@@ -4,6 +4,11 @@
 commands are sent without waiting, and `step()` returns the outputs reported since the last
 call. A synchronous caller blocks in `step()` until the next report; an asyncio caller awaits
 `wait_for_reports()` first, so `step()` finds them there and never blocks the event loop.
+
+Utility calls (`sleep`, `wake_up`, `is_sleeping`, `update_weights`) run in the core between
+steps; the synchronous methods block until the answer (reading reports meanwhile, so no output
+is lost) and raise what the core raised. An asyncio caller sends with `send_utility()` and
+finds the answer in `utility_results` once its output loop has read it.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ import pickle
 import shutil
 import tempfile
 import time
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from pagoda.config import EngineConfig
-from pagoda.engine.core_messages import CommandKind, CoreCommand, CoreFailed, CoreReady, CoreReport
+from pagoda.engine.core_messages import CommandKind, CoreCommand, CoreFailed, CoreReady, CoreReport, UtilityResult
 from pagoda.engine.core_proc import open_socket, run_engine_core, send
 from pagoda.engine.errors import EngineDeadError
 from pagoda.outputs import EngineCoreOutput
@@ -32,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 # Between two looks at whether the core process still lives, while waiting for it.
 LIVENESS_POLL_MS = 200
+# How long a blocking utility call waits for the core's answer (a level-2 wake_up reloads weights).
+DEFAULT_UTILITY_TIMEOUT_S = 600.0
 
 
 class EngineCoreClient:
@@ -55,6 +63,9 @@ class EngineCoreClient:
         # Why the core refused a request, by request id (its output finished with ERROR).
         self.request_errors: dict[str, str] = {}
         self.idle_check_answers: dict[int, str | None] = {}
+        self.utility_results: dict[int, UtilityResult] = {}
+        # Utility calls sent and not answered yet (a timed-out one leaves it: its answer is dropped).
+        self._utility_waiting: set[int] = set()
         self.dead_error: EngineDeadError | None = None
         self._core_has_work = False
         # Heartbeat: steps the core has completed, and when the client last saw it move on
@@ -100,6 +111,48 @@ class EngineCoreClient:
         if error is not None:
             raise AssertionError(error)
 
+    def sleep(self, level: int = 1) -> None:
+        self.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return self.call_utility("is_sleeping")
+
+    def update_weights(self, path: str) -> None:
+        self.call_utility("update_weights", path)
+
+    def call_utility(self, method: str, *args: Any, timeout_s: float = DEFAULT_UTILITY_TIMEOUT_S) -> Any:
+        """Run `method(*args)` in the core between its steps and return what it returned, or
+        raise what it raised; TimeoutError after `timeout_s` without an answer."""
+        number = self.send_utility(method, *args)
+        deadline = time.monotonic() + timeout_s
+        while number not in self.utility_results:
+            if time.monotonic() > deadline:
+                self.abandon_utility(number)
+                raise TimeoutError(f"the engine core did not answer {method} within {timeout_s:g} s")
+            self._receive(block=True)
+        return self.take_utility_result(number)
+
+    def send_utility(self, method: str, *args: Any) -> int:
+        """Send a utility call; its answer lands in `utility_results[number]`."""
+        self._send(CoreCommand(CommandKind.UTILITY, method=method, args=args))
+        self._utility_waiting.add(self.num_commands_sent)
+        return self.num_commands_sent
+
+    def take_utility_result(self, number: int) -> Any:
+        """The value of answered call `number`, or raise its error."""
+        result = self.utility_results.pop(number)
+        if result.error is not None:
+            raise result.error
+        return result.value
+
+    def abandon_utility(self, number: int) -> None:
+        """The caller stopped waiting for call `number`: drop its answer when it comes."""
+        self._utility_waiting.discard(number)
+        self.utility_results.pop(number, None)
+
     def shutdown(self) -> None:
         """Stop the core process (politely, then by force) and release the sockets; idempotent."""
         if self._closed:
@@ -132,8 +185,9 @@ class EngineCoreClient:
             self._check_alive()
 
     def seconds_without_progress(self) -> float:
-        """How long the core has had work without completing a step; 0 while it has none."""
-        if not self.has_work():
+        """How long the core has had work without completing a step; 0 while it has none, and
+        while a utility call runs (a wake_up may reload the weights; its caller has a timeout)."""
+        if not self.has_work() or self._utility_waiting:
             return 0.0
         return time.monotonic() - self._last_progress_time
 
@@ -190,6 +244,11 @@ class EngineCoreClient:
         self.num_commands_applied = message.num_commands_applied
         self._core_has_work = message.has_work
         self.idle_check_answers.update(message.idle_checks)
+        for number, result in message.utility_results.items():
+            if number in self._utility_waiting:
+                self._utility_waiting.remove(number)
+                self.utility_results[number] = result
+                self._last_progress_time = time.monotonic()  # the stall clock restarts after the call
 
     def _check_alive(self) -> None:
         """`check_alive` while waiting for reports: a death becomes final here."""

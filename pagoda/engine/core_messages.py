@@ -2,13 +2,15 @@
 
 Commands go in, reports come out, one PUSH/PULL pipe each way. Commands are numbered by the
 order they were sent (the pipe keeps order), so a report can say how many it has applied and
-the client knows when the core has seen everything it was told.
+the client knows when the core has seen everything it was told. A UTILITY command (sleep,
+wake_up, ...) is answered in the report of the turn that ran it, under its command number.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.outputs import EngineCoreOutput
 from pagoda.scheduler.request import Request, RequestStatus
@@ -20,6 +22,7 @@ class CommandKind(enum.Enum):
     ABORT = enum.auto()
     FINISH = enum.auto()  # ended for a reason only the client sees (a stop string)
     CHECK_IDLE = enum.auto()
+    UTILITY = enum.auto()  # call `method(*args)` on the core between steps and report the result
     SHUTDOWN = enum.auto()
 
 
@@ -29,6 +32,17 @@ class CoreCommand:
     request: Request | None = None
     request_ids: list[str] = field(default_factory=list)
     status: RequestStatus | None = None
+    method: str = ""
+    args: tuple[Any, ...] = ()
+
+
+@dataclass
+class UtilityResult:
+    """What a UTILITY command returned, or the exception it raised (sent whole when it pickles,
+    else as a RuntimeError carrying its type and message)."""
+
+    value: Any = None
+    error: BaseException | None = None
 
 
 @dataclass
@@ -52,6 +66,8 @@ class CoreReport:
     num_steps: int = 0
     # Answers to CHECK_IDLE commands, by command number: None when idle, else what is left.
     idle_checks: dict[int, str | None] = field(default_factory=dict)
+    # Answers to UTILITY commands, by command number.
+    utility_results: dict[int, UtilityResult] = field(default_factory=dict)
 
 
 @dataclass

@@ -12,6 +12,9 @@ the traceback and exits 1, and the client fails every request in flight. For fau
 tests only, PAGODA_TEST_CORE_FAULT="raise@N" makes the N-th model forward raise and
 "hang@N" makes it never return (see `inject_test_fault`); nothing else reads it.
 PAGODA_DEBUG_CHECK_IDLE=1 runs `EngineCore.check_idle()` whenever the core goes idle.
+
+Utility calls (`UTILITY_METHODS`: sleep, wake_up, ...) run in command order between steps;
+an exception they raise goes back to the caller and the core serves on.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import zmq
 
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
-from pagoda.engine.core_messages import CommandKind, CoreCommand, CoreFailed, CoreReady, CoreReport
+from pagoda.engine.core_messages import CommandKind, CoreCommand, CoreFailed, CoreReady, CoreReport, UtilityResult
+from pagoda.engine.errors import EngineSleepingError
 from pagoda.engine.llm_engine import debug_check_idle_enabled
 from pagoda.outputs import EngineCoreOutput, FinishReason
 
@@ -37,6 +41,8 @@ logger = logging.getLogger(__name__)
 # How long an idle core waits for a command before it looks whether its parent still lives.
 IDLE_POLL_MS = 500
 TEST_FAULT_ENV = "PAGODA_TEST_CORE_FAULT"
+# EngineCore methods a client may call through a UTILITY command.
+UTILITY_METHODS = frozenset({"sleep", "wake_up", "is_sleeping", "update_weights"})
 
 
 def send(socket: zmq.Socket, message: Any, flags: int = 0) -> None:
@@ -76,6 +82,7 @@ class EngineCoreLoop:
                 continue
             outputs: list[EngineCoreOutput] = []
             idle_check_numbers: list[int] = []
+            utility_results: dict[int, UtilityResult] = {}
             while self.commands.poll(0):
                 command: CoreCommand = pickle.loads(self.commands.recv(copy=False))
                 self.num_commands_applied += 1
@@ -83,6 +90,9 @@ class EngineCoreLoop:
                     return
                 if command.kind is CommandKind.CHECK_IDLE:
                     idle_check_numbers.append(self.num_commands_applied)
+                elif command.kind is CommandKind.UTILITY:
+                    outputs.extend(self._settle_finished())
+                    utility_results[self.num_commands_applied] = self._call_utility(command)
                 else:
                     outputs.extend(self._apply(command))
             if self.core.has_work():
@@ -98,6 +108,7 @@ class EngineCoreLoop:
                 has_work=self.core.has_work(),
                 idle_checks=dict.fromkeys(idle_check_numbers, idle_error),
                 num_steps=self.num_steps,
+                utility_results=utility_results,
             )
             send(self.reports, report)
 
@@ -106,7 +117,8 @@ class EngineCoreLoop:
             assert command.request is not None
             try:
                 self.core.add_request(command.request)
-            except ValueError as error:  # the scheduler's own limits: refuse this request, serve the rest
+            # The scheduler's own limits, or a sleeping engine: refuse this request, serve the rest.
+            except (ValueError, EngineSleepingError) as error:
                 return [EngineCoreOutput(command.request.request_id, [], FinishReason.ERROR, error=str(error))]
         elif command.kind is CommandKind.ABORT:
             self.core.abort_requests(command.request_ids)
@@ -114,6 +126,26 @@ class EngineCoreLoop:
             assert command.status is not None
             self.core.finish_requests(command.request_ids, command.status)
         return []
+
+    def _settle_finished(self) -> list[EngineCoreOutput]:
+        """Step while the only work left is requests already finished (aborted just before):
+        no forward runs, and a sleep or weight update sent right after an abort finds the core idle."""
+        outputs: list[EngineCoreOutput] = []
+        while (
+            self.core.has_work() and not self.core.scheduler.has_unfinished_requests() and not self.core.is_sleeping()
+        ):
+            outputs.extend(self.core.step())
+            self.num_steps += 1
+        return outputs
+
+    def _call_utility(self, command: CoreCommand) -> UtilityResult:
+        if command.method not in UTILITY_METHODS:
+            return UtilityResult(error=ValueError(f"unknown engine core utility {command.method!r}"))
+        try:
+            return UtilityResult(value=getattr(self.core, command.method)(*command.args))
+        except Exception as error:
+            logger.info("engine core utility %s failed: %s", command.method, error)
+            return UtilityResult(error=picklable(error))
 
     def _idle_error(self) -> str | None:
         if self.core.has_work():
@@ -123,6 +155,16 @@ class EngineCoreLoop:
         except AssertionError as error:
             return str(error) or "engine core idle check failed"
         return None
+
+
+def picklable(error: Exception) -> Exception:
+    """`error` itself when it survives pickling, else a RuntimeError with its type and message
+    (an exception whose __init__ takes other arguments than its message does not)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 def inject_test_fault(core: EngineCore, fault: str, parent_pid: int) -> None:

@@ -7,6 +7,14 @@ Auth: with an API key set, every route but those in OPEN_PATHS (`/health`) needs
 and load to whoever reads it, and Prometheus scrape configs send bearer tokens
 (`authorization: {credentials: KEY}`).
 
+Sleep mode (`--enable-sleep-mode`): `POST /sleep?level=1|2` releases the weights (level 1 keeps
+a CPU copy, level 2 reloads them from the checkpoint) and the KV cache; `POST /wake_up`, with
+optional `?tags=weights&tags=kv_cache`, restores them; `GET /is_sleeping`. While asleep, requests
+get 503 `engine_sleeping` and /health stays 200 with `"sleeping": true`. `POST /update_weights`
+`{"path": ...}` loads new weights in place, only with `--enable-weight-updates` (403 otherwise:
+it reads any path the server can). A sleep with requests in flight gets 409, as does any call
+the engine's state forbids (waking what is awake); a bad argument gets 400 naming it.
+
 Stopping: SIGTERM (or SIGINT) makes the server drain: new requests get 503, the listening
 socket closes, requests in flight run to their end for up to `--shutdown-timeout` seconds
 (then they are cancelled), the engine core stops, and the process exits 0.
@@ -23,10 +31,10 @@ import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import FrameType
-from typing import Any
+from typing import Annotated, Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -34,7 +42,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.core_client import EngineDeadError
 from pagoda.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
-from pagoda.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from pagoda.entrypoints.openai.errors import OpenAIError, engine_control_error, install_error_handlers
 from pagoda.entrypoints.openai.middleware import BodySizeLimitMiddleware, DrainingMiddleware
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -45,17 +53,20 @@ from pagoda.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UpdateWeightsRequest,
 )
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagoda.metrics import CONTENT_TYPE
+from pagoda.worker.worker import SLEEP_TAGS
 
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})
 # Seconds a server whose engine core died keeps answering (errors, /health 503) before it exits.
 ENGINE_DEAD_EXIT_DELAY_S = 2.0
+SLEEP_LEVELS = ("1", "2")
 
 
 class APIKeyMiddleware:
@@ -121,6 +132,7 @@ def build_app(
     enable_debug_routes: bool = False,
     trust_request_chat_template: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    enable_weight_updates: bool = False,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -150,7 +162,7 @@ def build_app(
             engine.check_health()
         except EngineDeadError as error:
             return OpenAIError(503, f"unhealthy: {str(error).splitlines()[0]}").response()
-        return JSONResponse({"status": "ok", "engine_steps": engine.client.num_core_steps})
+        return JSONResponse({"status": "ok", "sleeping": engine.sleeping, "engine_steps": engine.client.num_core_steps})
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -172,6 +184,46 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return tokenization.detokenize(body)
 
+    @app.post("/sleep")
+    async def sleep(level: str = "1") -> dict[str, Any]:
+        """Release the weights and the KV cache; requests get 503 until /wake_up."""
+        if level not in SLEEP_LEVELS:
+            raise OpenAIError(400, f"level must be 1 or 2, got {level!r}", param="level")
+        if not engine.config.cache_config.enable_sleep_mode:
+            raise OpenAIError(403, "sleep mode is off: start the server with --enable-sleep-mode")
+        try:
+            await engine.sleep(int(level))
+        except Exception as error:
+            raise engine_control_error(error) from error
+        return {"is_sleeping": True}
+
+    @app.post("/wake_up")
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
+        """Restore what `?tags=` names (weights, kv_cache; none: both)."""
+        unknown = sorted(set(tags or ()) - set(SLEEP_TAGS))
+        if unknown:
+            raise OpenAIError(400, f"tags must be among {list(SLEEP_TAGS)}, got {unknown}", param="tags")
+        try:
+            await engine.wake_up(tags)
+        except Exception as error:
+            raise engine_control_error(error) from error
+        return {"is_sleeping": engine.sleeping}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, Any]:
+        return {"is_sleeping": await engine.is_sleeping()}
+
+    @app.post("/update_weights")
+    async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
+        """Load the checkpoint at `path` in place (with --enable-weight-updates only)."""
+        if not enable_weight_updates:
+            raise OpenAIError(403, "weight updates are off: start the server with --enable-weight-updates")
+        try:
+            await engine.update_weights(body.path)
+        except Exception as error:
+            raise engine_control_error(error) from error
+        return {"path": body.path}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
@@ -189,7 +241,10 @@ def build_app(
 
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     config = EngineConfig.create(
-        model=args.model, max_num_queued_requests=args.max_num_queued_requests, **engine_kwargs
+        model=args.model,
+        max_num_queued_requests=args.max_num_queued_requests,
+        enable_sleep_mode=args.enable_sleep_mode,
+        **engine_kwargs,
     )
     engine = AsyncLLM(config)
     try:
@@ -200,6 +255,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
             args.enable_debug_routes,
             args.trust_request_chat_template,
             args.max_request_body_bytes,
+            args.enable_weight_updates,
         )
         logger.warning("serving %s on http://%s:%d", config.model_config.model, args.host, args.port)
         uvicorn_config = uvicorn.Config(

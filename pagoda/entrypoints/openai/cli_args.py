@@ -57,6 +57,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "but a template can still cost the server much time)",
     )
     group.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="allow POST /sleep and /wake_up (weights and KV cache in memory the engine can release)",
+    )
+    group.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="allow POST /update_weights, which loads a checkpoint from any path the server can read",
+    )
+    group.add_argument(
         "--enable-debug-routes", action="store_true", help="add GET /debug/idle (the engine's idle check, for tests)"
     )
     group.add_argument("--uvicorn-log-level", default="warning")

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.async_llm import EngineOverloadedError
 from pagoda.engine.core_client import EngineDeadError
+from pagoda.engine.errors import EngineSleepingError
 from pagoda.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagoda.errors import InvalidRequestError
 
@@ -21,8 +22,10 @@ logger = logging.getLogger(__name__)
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -108,10 +111,20 @@ def to_openai_error(error: Exception) -> OpenAIError:
     if isinstance(error, EngineOverloadedError):
         # 503, not 429: the whole server is full, not this client over a quota of its own.
         return OpenAIError(503, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(error, EngineSleepingError):
+        return OpenAIError(503, str(error), code="engine_sleeping")
     if isinstance(error, EngineDeadError):
         return OpenAIError(503, f"the engine is not running: {str(error).splitlines()[0]}")
     logger.error("unexpected error serving a request", exc_info=error)
     return OpenAIError(500, f"internal error: {type(error).__name__}")
+
+
+def engine_control_error(error: Exception) -> OpenAIError:
+    """The answer to a sleep / wake_up / update_weights the engine refused: a bad argument (or
+    a checkpoint path it cannot read) is a 400, a request the engine's state forbids (e.g. sleeping with requests in flight) a 409."""
+    if isinstance(error, (EngineDeadError, TimeoutError)) or not isinstance(error, (ValueError, OSError, RuntimeError)):
+        return to_openai_error(error)
+    return OpenAIError(400 if isinstance(error, (ValueError, OSError)) else 409, str(error))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -127,7 +140,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return to_openai_error(error).response()
 
     # Errors a request may cause, answered without the traceback kept for unexpected ones.
-    for expected in (OpenAIError, InvalidRequestError, EngineOverloadedError, EngineDeadError):
+    for expected in (OpenAIError, InvalidRequestError, EngineOverloadedError, EngineSleepingError, EngineDeadError):
         app.add_exception_handler(expected, _expected)
 
     @app.exception_handler(Exception)
