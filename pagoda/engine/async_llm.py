@@ -223,7 +223,7 @@ class AsyncLLM:
                     timeout_s,
                 )
         except asyncio.TimeoutError:
-            return f"the engine core did not answer the idle check within {timeout_s:.0f} s"
+            return f"the engine core still has work (no idle-check answer within {timeout_s:.0f} s)"
         if not self.is_healthy:
             return "the engine core is dead"
         return self.client.idle_check_answers.pop(number)

@@ -102,11 +102,20 @@ class EngineCoreClient:
         outputs, self._outputs = self._outputs, []
         return outputs
 
-    def check_idle(self) -> None:
-        """Raise AssertionError unless the core holds no request state and its KV pool is whole."""
+    def check_idle(self, timeout_s: float = 10.0) -> None:
+        """Raise AssertionError unless the core holds no request state and its KV pool is whole.
+
+        The core answers once it has no work left (a finished request still to report or a
+        batch in flight takes a step or two); one still busy after `timeout_s` fails the check."""
         number = self.send_idle_check()
+        deadline = time.monotonic() + timeout_s
         while number not in self.idle_check_answers:
-            self._receive(block=True)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the engine core still has work after {timeout_s:.0f} s")
+            if self._reports.poll(LIVENESS_POLL_MS):
+                self._receive(block=False)
+            else:
+                self._check_alive()
         error = self.idle_check_answers.pop(number)
         if error is not None:
             raise AssertionError(error)

@@ -72,6 +72,9 @@ class EngineCoreLoop:
         self.num_commands_applied = 0
         self.num_steps = 0
         self.debug_check_idle = debug_check_idle_enabled()
+        # Idle checks are answered once the core has no work left: a check sent right after the
+        # last abort may find a finished request still to report or a batch still in flight.
+        self.pending_idle_checks: list[int] = []
 
     def run(self) -> None:
         """Until SHUTDOWN or the parent's death: apply what arrived, step while there is work,
@@ -81,7 +84,6 @@ class EngineCoreLoop:
             if not self.commands.poll(IDLE_POLL_MS if idle else 0) and idle:
                 continue
             outputs: list[EngineCoreOutput] = []
-            idle_check_numbers: list[int] = []
             utility_results: dict[int, UtilityResult] = {}
             while self.commands.poll(0):
                 command: CoreCommand = pickle.loads(self.commands.recv(copy=False))
@@ -89,7 +91,7 @@ class EngineCoreLoop:
                 if command.kind is CommandKind.SHUTDOWN:
                     return
                 if command.kind is CommandKind.CHECK_IDLE:
-                    idle_check_numbers.append(self.num_commands_applied)
+                    self.pending_idle_checks.append(self.num_commands_applied)
                 elif command.kind is CommandKind.UTILITY:
                     outputs.extend(self._settle_finished())
                     utility_results[self.num_commands_applied] = self._call_utility(command)
@@ -100,13 +102,16 @@ class EngineCoreLoop:
                 self.num_steps += 1
                 if self.debug_check_idle and not self.core.has_work():
                     self.core.check_idle()  # a leak ends the core, loudly, with the check's message
-            idle_error = self._idle_error() if idle_check_numbers else None
+            idle_checks: dict[int, str | None] = {}
+            if self.pending_idle_checks and not self.core.has_work():
+                idle_checks = dict.fromkeys(self.pending_idle_checks, self._idle_error())
+                self.pending_idle_checks = []
             report = CoreReport(
                 outputs=outputs,
                 stats=self.core.scheduler.make_stats(),
                 num_commands_applied=self.num_commands_applied,
                 has_work=self.core.has_work(),
-                idle_checks=dict.fromkeys(idle_check_numbers, idle_error),
+                idle_checks=idle_checks,
                 num_steps=self.num_steps,
                 utility_results=utility_results,
             )
@@ -148,8 +153,6 @@ class EngineCoreLoop:
             return UtilityResult(error=picklable(error))
 
     def _idle_error(self) -> str | None:
-        if self.core.has_work():
-            return "the engine core still has work"
         try:
             self.core.check_idle()
         except AssertionError as error:
