@@ -37,15 +37,16 @@ CI_EXAMPLES = 25  # per operation and mode in the OpenAPI fuzz: 2 modes x 6 oper
 CI_SAMPLING_EXAMPLES = 100
 FULL_EXAMPLES = 100
 FULL_SAMPLING_EXAMPLES = 800
-# Statuses whose error is about the request as a whole, not one of its fields.
-WHOLE_REQUEST_STATUSES = {401, 404, 405, 413, 415}
+# Statuses whose error is about the request as a whole, not one of its fields (403: a feature the
+# server runs without, such as weight updates; 409: the engine's state, such as waking an awake one).
+WHOLE_REQUEST_STATUSES = {401, 403, 404, 405, 409, 413, 415}
 # A field the client sent -> the name an error about it may use instead (chat: max_completion_tokens
 # is max_tokens; top_logprobs is logprobs' count).
 ALIASES = {"max_completion_tokens": {"max_tokens"}, "logprobs": {"top_logprobs", "logprobs"}}
 # Fields every request has, sent or not: the prompt (chat: messages) and max_tokens, which
 # defaults to 16 in completions (OpenAI's default) and must fit the context like a sent one.
 ALWAYS_PRESENT = {"prompt", "messages", "max_tokens"}
-REQUIRED_FIELDS = {"tokens"}  # /detokenize's
+REQUIRED_FIELDS = {"tokens", "path"}  # /detokenize's, /update_weights'
 
 
 @pytest.fixture(autouse=True)
