@@ -15,6 +15,17 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_TIMEOUT_S = 240
 
 
+def assert_error(response: httpx.Response, status: int, param: str | None, *words: str) -> dict:
+    """An OpenAI error body with `status`, naming `param` and containing each of `words`."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error
+    return error
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from conftest import smollm2_gguf_path  # noqa: E402
-from server_utils import RemoteServer  # noqa: E402
+from server_utils import RemoteServer, assert_error  # noqa: E402
 
 from pagoda import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
 
@@ -312,13 +312,7 @@ BAD_REQUESTS = [
 def test_bad_request_is_answered_with_its_field(
     server: RemoteServer, route: str, body: dict, status: int, param: str | None, words: list[str]
 ) -> None:
-    response = server.post(route, json=body)
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == param, error
-    for word in words:
-        assert word in error["message"], error
+    assert_error(server.post(route, json=body), status, param, *words)
 
 
 def test_malformed_json(server: RemoteServer) -> None:

