@@ -17,7 +17,7 @@ from pagoda.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from pagoda.model.layers.weight_utils import copy_weight
+from pagoda.model.layers.weight_utils import CheckpointWeight, copy_weight, narrow_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,7 +31,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: None = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shards, got shard_id {shard_id!r}")
         if loaded_weight.shape[0] != self.num_embeddings:
@@ -39,7 +39,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"checkpoint has {loaded_weight.shape[0]} vocabulary rows, the config {self.num_embeddings}"
             )
         num_rows = self.vocab_end - self.vocab_start
-        copy_weight(param.data[:num_rows], loaded_weight[self.vocab_start : self.vocab_end])
+        copy_weight(param.data[:num_rows], narrow_weight(loaded_weight, 0, self.vocab_start, num_rows))
         param.data[num_rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Column-parallel layers split the output features: each rank computes a slice of the output.
 Row-parallel layers split the input features and all-reduce the partial sums. Every weight
 carries a `weight_loader(param, loaded_weight, shard_id)` that copies this rank's slice out of
-the full checkpoint tensor, so model code and checkpoints stay the same at any TP size.
+the checkpoint tensor (reading only that slice when the tensor is lazy), so model code and
+checkpoints stay the same at any TP size.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
-from pagoda.model.layers.weight_utils import copy_weight
+from pagoda.model.layers.weight_utils import CheckpointWeight, copy_weight, narrow_weight
 
 ShardId = int | str | None
 
@@ -62,14 +63,14 @@ class _ColumnShardedLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: ShardId = None) -> None:
         if shard_id not in self.shards:
             raise ValueError(f"unknown shard_id {shard_id!r}, expected one of {list(self.shards)}")
         rows, index, count = self.shards[shard_id]
         if loaded_weight.shape[0] != rows * count:
             raise ValueError(f"checkpoint tensor has {loaded_weight.shape[0]} rows, expected {rows * count}")
         dst = param.data.narrow(0, self.shard_offsets[shard_id], rows)
-        copy_weight(dst, loaded_weight.narrow(0, index * rows, rows))
+        copy_weight(dst, narrow_weight(loaded_weight, 0, index * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -138,7 +139,7 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: None = None) -> None:
         if shard_id is not None:
             raise ValueError(f"RowParallelLinear has no shards, got shard_id {shard_id!r}")
         if param.ndim == 2:
@@ -147,7 +148,7 @@ class RowParallelLinear(nn.Module):
                     f"checkpoint tensor shape {tuple(loaded_weight.shape)} does not fit {tuple(param.shape)}"
                 )
             size = self.input_size_per_rank
-            loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)
+            loaded_weight = narrow_weight(loaded_weight, 1, self.tp_rank * size, size)
         copy_weight(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,21 +2,56 @@
 
 `copy_` broadcasts silently, so a checkpoint tensor of the wrong shape could fill a parameter
 without complaint; every weight loader goes through `copy_weight` instead.
+
+A checkpoint tensor is either a real tensor (GGUF, weights updated from memory) or a
+`LazyWeight` not read yet (safetensors). Loaders take this rank's part with `narrow_weight`,
+which reads only that part of a lazy weight, so a tensor-parallel rank never reads the rest.
 """
 
 from __future__ import annotations
 
+from typing import Protocol, TypeAlias
+
 import torch
 
 
-def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy `src` into `dst` (any device/dtype); raise ValueError if the shapes differ."""
+class LazyWeight(Protocol):
+    """A checkpoint tensor read on demand (`SafetensorsSlice`)."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def ndim(self) -> int: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Read only entries [start, start + length) of `dim`."""
+        ...
+
+    def materialize(self) -> torch.Tensor:
+        """Read the whole tensor."""
+        ...
+
+
+CheckpointWeight: TypeAlias = torch.Tensor | LazyWeight
+
+
+def narrow_weight(weight: CheckpointWeight, dim: int, start: int, length: int) -> torch.Tensor:
+    """Entries [start, start + length) of `dim`: a view of a real tensor, or just those
+    entries read from the file for a lazy one."""
+    return weight.narrow(dim, start, length)
+
+
+def copy_weight(dst: torch.Tensor, src: CheckpointWeight) -> None:
+    """Copy `src` into `dst` (any device/dtype); raise ValueError if the shapes differ.
+
+    A lazy `src` is read whole only here, after its shape has been checked."""
     if dst.shape != src.shape:
         raise ValueError(f"shape mismatch: parameter expects {tuple(dst.shape)}, checkpoint has {tuple(src.shape)}")
-    dst.copy_(src)
+    dst.copy_(src if isinstance(src, torch.Tensor) else src.materialize())
 
 
-def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id: None = None) -> None:
+def default_weight_loader(param: torch.nn.Parameter, loaded_weight: CheckpointWeight, shard_id: None = None) -> None:
     """Loader for parameters that are not sharded (norm weights)."""
     if shard_id is not None:
         raise ValueError(f"parameter is not sharded, got shard_id {shard_id!r}")
