@@ -165,18 +165,59 @@ class CompilationConfig:
 
 @dataclass
 class ParallelConfig:
+    """How many ranks run the model, and how their worker processes are started.
+
+    `distributed_executor_backend`: "uni" (one worker in the engine's process; world size 1
+    only), "mp" (one local process per rank), "ray" (Ray actors, across machines); None picks
+    "uni" at world size 1, else "mp".
+    """
+
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    rank: int = 0
+    distributed_executor_backend: str | None = None
     distributed_init_method: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be 1 for now")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ConfigError(
+                f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size x "
+                f"pipeline_parallel_size is {self.world_size}: use 'mp' or 'ray'"
+            )
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_model(self, model_config: ModelConfig) -> None:
+        """The model must split evenly: query heads and the KV heads (or the ranks sharing
+        one KV head) across TP ranks, at least one layer per pipeline stage."""
+        tp = self.tensor_parallel_size
+        heads, kv_heads = model_config.num_attention_heads, model_config.num_kv_heads
+        if heads % tp:
+            raise ConfigError(f"tensor_parallel_size must divide the model's {heads} attention heads, got {tp}")
+        if kv_heads % tp and tp % kv_heads:
+            raise ConfigError(
+                f"tensor_parallel_size must divide the model's {kv_heads} KV heads or be a multiple of them, got {tp}"
+            )
+        if self.pipeline_parallel_size > model_config.num_layers:
+            raise ConfigError(
+                f"pipeline_parallel_size must be <= the model's {model_config.num_layers} layers, "
+                f"got {self.pipeline_parallel_size}"
+            )
+
+
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass
@@ -247,11 +288,23 @@ class EngineConfig:
                 f"({model_config.max_model_len}) when chunked prefill is off, "
                 f"got {scheduler_config.max_num_batched_tokens}"
             )
+        parallel_config = ParallelConfig(**split["parallel_config"])
+        parallel_config.check_model(model_config)
+        local_gpus = torch.cuda.device_count()
+        if (
+            device_config.is_cuda
+            and parallel_config.distributed_executor_backend == "mp"
+            and (parallel_config.world_size > local_gpus)
+        ):
+            raise ConfigError(
+                f"tensor_parallel_size x pipeline_parallel_size ({parallel_config.world_size}) must be <= "
+                f"the {local_gpus} visible CUDA devices with distributed_executor_backend 'mp'"
+            )
         return cls(
             model_config=model_config,
             cache_config=CacheConfig(**split["cache_config"]),
             scheduler_config=scheduler_config,
-            parallel_config=ParallelConfig(**split["parallel_config"]),
+            parallel_config=parallel_config,
             device_config=device_config,
             compilation_config=CompilationConfig(**split["compilation_config"]),
         )

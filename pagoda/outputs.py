@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 
 class FinishReason(str, enum.Enum):
@@ -56,6 +57,18 @@ class LogprobsArrays:
         """Positions `rows`, keeping the chosen token and the top `num_top` (a request's own N)."""
         columns = slice(0, 1 + num_top)
         return LogprobsArrays(self.token_ids[rows, columns], self.logprobs[rows, columns], self.ranks[rows, columns])
+
+
+@dataclass
+class IntermediateTensors:
+    """What a pipeline stage that is not last hands the next: the hidden states and the
+    residual stream after its last layer, one row per (padded) token."""
+
+    hidden_states: torch.Tensor
+    residual: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.hidden_states, self.residual]
 
 
 @dataclass

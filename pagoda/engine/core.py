@@ -25,7 +25,6 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.engine.errors import EngineSleepingError
 from pagoda.executor.abstract import Executor
-from pagoda.executor.uniproc import UniProcExecutor
 from pagoda.outputs import AsyncModelRunnerOutput, EngineCoreOutput, ModelRunnerOutput
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.scheduler.request import Request, RequestStatus
@@ -35,13 +34,17 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] = UniProcExecutor) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
-        self.executor = executor_class(config)
+        self.executor = (executor_class or Executor.get_class(config))(config)
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
-        self.batch_queue_size = 2 if config.scheduler_config.async_scheduling else 1
+        pp_size = config.parallel_config.pipeline_parallel_size
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, num_blocks, pipeline_parallel=pp_size > 1
+        )
+        # One batch per pipeline stage in flight, so that no stage waits for another.
+        self.batch_queue_size = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)
         self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput | AsyncModelRunnerOutput]] = deque()
         # The executor's released memory tags, kept here so that every step need not ask.
         self.sleeping_tags: list[str] = []
@@ -138,10 +141,7 @@ class EngineCore:
         """Raise AssertionError unless no request state is left anywhere and the KV pool is whole."""
         assert not self.batch_queue, "batches still in flight"
         self.scheduler.check_idle()
-        runner = getattr(self.executor, "worker", None)
-        if runner is not None and runner.model_runner is not None:
-            assert not runner.model_runner.requests, f"runner still holds {list(runner.model_runner.requests)}"
-            assert runner.model_runner.input_batch.num_reqs == 0, "runner batch not empty"
+        self.executor.check_idle()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -22,3 +22,7 @@ class RequestFailedError(RuntimeError):
 
 class EngineSleepingError(RuntimeError):
     """A request reached an engine whose memory is asleep (see `EngineCore.sleep`)."""
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker rank died or its step raised: the engine cannot step without every rank."""

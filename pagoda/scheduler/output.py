@@ -37,6 +37,9 @@ class CachedRequestData:
     resumed_token_ids: list[list[int] | None] = field(default_factory=list)
     new_block_ids: list[BlockIds | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Pipeline parallelism only (else empty): per request, the tokens sampled since it last ran,
+    # which stages other than the last (they do not sample) append to their token history.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

@@ -11,6 +11,11 @@ scheduled, and a request whose sampled token is still in flight (`num_pending_to
 scheduled for the position of that token, which the runner fills in on the device. So the
 engine can schedule step N+1 before step N's output is back; a stop seen one step late
 drops the extra token.
+
+Under pipeline parallelism several batches are in flight at once, one per stage. A request
+whose sampled token is still in flight is then left out (the first stage would wait for
+it, stalling the pipeline), so consecutive batches hold different requests; each scheduled
+request carries the tokens sampled since it last ran, for the stages that do not sample.
 """
 
 from __future__ import annotations
@@ -44,7 +49,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        pipeline_parallel: bool = False,
+    ) -> None:
         budget = scheduler_config.max_num_batched_tokens
         if budget is None:
             raise ValueError("scheduler_config.max_num_batched_tokens must be set before building the Scheduler")
@@ -59,6 +70,7 @@ class Scheduler:
         self.max_num_batched_tokens = budget
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.pipeline_parallel = pipeline_parallel
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
 
         self.requests: dict[str, Request] = {}
@@ -153,7 +165,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(self._num_tokens_to_compute(request), budget)
-            if num_new == 0:
+            if num_new == 0 or (self.pipeline_parallel and request.num_pending_tokens):
                 index += 1
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_new, preempted_req_ids)
@@ -161,6 +173,9 @@ class Scheduler:
                 break
             appended: BlockIds | None = (new_block_ids,) if new_block_ids else None
             _append_cached(cached_reqs, request, False, None, appended, request.num_computed_tokens)
+            if self.pipeline_parallel:
+                first_new = max(request.num_computed_tokens, request.num_prompt_tokens)
+                cached_reqs.new_token_ids.append(request.all_token_ids[first_new:])
             num_scheduled[request.request_id] = num_new
             scheduled.append(request)
             budget -= num_new
@@ -187,6 +202,8 @@ class Scheduler:
             block_ids: BlockIds = (kv.get_block_ids(request),)
             if request.status == RequestStatus.PREEMPTED:
                 _append_cached(cached_reqs, request, True, list(request.all_token_ids), block_ids, num_hit_tokens)
+                if self.pipeline_parallel:
+                    cached_reqs.new_token_ids.append([])
             else:
                 new_reqs.append(
                     NewRequestData(

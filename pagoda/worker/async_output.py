@@ -64,12 +64,19 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         return self._output is not None
 
     def get_output(self) -> ModelRunnerOutput:
-        if self._output is not None:
-            return self._output
+        if self._output is None:
+            output = self.host_output()
+            self._on_ready(self, self._host[0].numpy())
+            self._output = output
+            self.sampled_token_ids = None
+        return self._output
+
+    def host_output(self) -> ModelRunnerOutput:
+        """Wait for the copy and build the step's output from the host copies alone, without
+        telling the runner: safe from another thread (a worker process's output sender)."""
         if self._copy_done is not None:
             self._copy_done.synchronize()
         sampled = self._host[0].numpy()
-        self._on_ready(self, sampled)
         sampled_token_ids: list[list[int]] = [[] for _ in self.req_ids]
         for row, token_id in zip(self.sample_rows.tolist(), sampled.tolist(), strict=True):
             sampled_token_ids[row] = [token_id]
@@ -77,15 +84,13 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         if len(self._host) > 1:
             arrays = LogprobsArrays(*(tensor.numpy() for tensor in self._host[1:]))
             logprobs = _by_batch_row(arrays, self.sample_rows, len(self.req_ids))
-        self._output = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=self.req_ids,
             req_id_to_index={req_id: row for row, req_id in enumerate(self.req_ids)},
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs=self._prompt_logprobs,
         )
-        self.sampled_token_ids = None
-        return self._output
 
 
 def _by_batch_row(arrays: LogprobsArrays, sample_rows: np.ndarray, num_rows: int) -> LogprobsArrays:

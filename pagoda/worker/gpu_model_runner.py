@@ -18,7 +18,8 @@ import torch
 from pagoda.attention.backends import AttentionShape, get_attention_backend
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import EngineConfig
-from pagoda.outputs import LogprobsArrays, ModelRunnerOutput
+from pagoda.distributed.parallel_state import get_parallel_state, get_pp_layer_range
+from pagoda.outputs import IntermediateTensors, LogprobsArrays, ModelRunnerOutput
 from pagoda.sample.metadata import PenaltyMetadata, SamplingMetadata
 from pagoda.sample.sampler import Sampler, SamplerOutput
 from pagoda.sampling_params import MAX_LOGPROBS
@@ -74,7 +75,14 @@ class GPUModelRunner:
         self.max_num_tokens = self.scheduler_config.max_num_batched_tokens
         self.max_model_len = self.model_config.max_model_len
         self.block_size = self.cache_config.block_size
-        self.num_kv_heads = self.model_config.num_kv_heads
+        # This rank's share of the model: its heads (a KV head is replicated when there are
+        # fewer than ranks) and its pipeline stage's layers.
+        parallel = get_parallel_state()
+        self.num_heads = self.model_config.num_attention_heads // parallel.tp_size
+        self.num_kv_heads = max(1, self.model_config.num_kv_heads // parallel.tp_size)
+        start_layer, end_layer = get_pp_layer_range(self.model_config.num_layers)
+        self.num_layers = end_layer - start_layer
+        self.is_first_stage, self.is_last_stage = parallel.is_first_pp_rank, parallel.is_last_pp_rank
         self.head_size = self.model_config.head_size
         self.vocab_size = self.model_config.vocab_size
         self.max_num_blocks_per_req = cdiv(self.max_model_len, self.block_size)
@@ -92,7 +100,7 @@ class GPUModelRunner:
         self.sampler = Sampler(self.model_config.logprobs_mode)
         self.kv_connector = KVConnector()
         shape = AttentionShape(
-            num_heads=self.model_config.num_attention_heads,
+            num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
             max_num_seqs=self.max_num_reqs,
@@ -125,6 +133,13 @@ class GPUModelRunner:
         # Recorded once a step's host-to-device copies are queued: the pinned staging buffers
         # above may be rewritten for the next step only after those copies ran.
         self._inputs_sent = torch.cuda.Event() if device.type == "cuda" else None
+        # Where a later pipeline stage receives the previous stage's tensors (static: graphs read them).
+        self._intermediate_buffers: IntermediateTensors | None = None
+        if not self.is_first_stage:
+            hidden_size = self.model_config.hf_config.hidden_size
+            self._intermediate_buffers = IntermediateTensors(
+                *(torch.zeros(self.max_num_tokens, hidden_size, dtype=self.dtype, device=device) for _ in range(2))
+            )
         self.cudagraph_manager = self._make_cudagraph_manager(config, device)
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
@@ -162,7 +177,7 @@ class GPUModelRunner:
         """Bytes one KV block takes across all layers (K and V)."""
         element = torch.tensor([], dtype=self.dtype).element_size()
         per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size * element
-        return per_layer * self.model_config.num_layers
+        return per_layer * self.num_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
@@ -171,7 +186,7 @@ class GPUModelRunner:
             pool.allocate("kv_cache", shape, self.dtype)
             if pool is not None
             else torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.model_config.num_layers)
+            for _ in range(self.num_layers)
         ]
 
     @torch.inference_mode()
@@ -210,7 +225,7 @@ class GPUModelRunner:
         dummy_cache = torch.zeros(
             (2, 1, self.block_size, self.num_kv_heads, self.head_size), dtype=self.dtype, device=self.device
         )
-        dummy_caches = [dummy_cache] * self.model_config.num_layers
+        dummy_caches = [dummy_cache] * self.num_layers
 
         def measure(scratch: CudaGraphManager, group: list[BatchDescriptor]) -> int:
             torch.cuda.synchronize()
@@ -255,7 +270,11 @@ class GPUModelRunner:
                 size, self._graph_rows(size), num_scheduled, cu_num_tokens, num_scheduled
             )
             input_ids, positions = self.input_ids.copy_to_gpu(size), self.positions.copy_to_gpu(size)
-            manager.capture(key, lambda ids=input_ids, pos=positions, md=metadata: model(ids, pos, kv_caches, md))
+            intermediate = self.intermediate_tensors(size)
+            manager.capture(
+                key,
+                lambda ids=input_ids, pos=positions, md=metadata, it=intermediate: model(ids, pos, kv_caches, md, it),
+            )
 
     def _graph_rows(self, num_tokens: int) -> int:
         """Request rows of a graph of `num_tokens` tokens: its launch grids are fixed at capture,
@@ -294,7 +313,11 @@ class GPUModelRunner:
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.from_numpy(np.concatenate([np.arange(n) for n in query_lens])).to(self.device)
-        hidden = self.model(input_ids, positions, [dummy_cache] * self.model_config.num_layers, metadata)
+        hidden = self.model(
+            input_ids, positions, [dummy_cache] * self.num_layers, metadata, self.intermediate_tensors(num_tokens)
+        )
+        if not self.is_last_stage:
+            return
         rows = torch.arange(self.max_num_reqs, device=self.device) % num_tokens
         logits = self.model.compute_logits(hidden[rows])
         self.sampler(logits, self._dummy_sampling_metadata(self.max_num_reqs))
@@ -381,6 +404,8 @@ class GPUModelRunner:
             elif new_block_ids is not None:
                 for group, ids in zip(state.block_ids, new_block_ids, strict=True):
                     group.extend(ids)
+            if cached.new_token_ids and cached.new_token_ids[i]:
+                self._write_new_token_ids(state, cached.new_token_ids[i])
             row = batch.get_req_index(req_id)
             if row is None:
                 batch.add_request(state)
@@ -392,6 +417,19 @@ class GPUModelRunner:
         batch.condense()
         # Phase 6 (spec decode) has no callback to return until speculative decoding lands.
         return None
+
+    def _write_new_token_ids(self, state: CachedRequestState, token_ids: list[int]) -> None:
+        """Tokens sampled since the request last ran, sent under pipeline parallelism (only the
+        last stage samples); they start at its first uncomputed output position. The last
+        stage has them already, and rewrites the same values."""
+        start = max(state.num_computed_tokens, len(state.prompt_token_ids))
+        index = start - len(state.prompt_token_ids)
+        state.output_token_ids[index : index + len(token_ids)] = token_ids
+        row = self.input_batch.get_req_index(state.req_id)
+        if row is not None:
+            end = start + len(token_ids)
+            self.input_batch.token_ids_cpu[row, start:end] = token_ids
+            self.input_batch.num_tokens[row] = max(int(self.input_batch.num_tokens[row]), end)
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
         """The seed's KV block zeroer: one indexed write per layer, K and V together."""
@@ -445,7 +483,7 @@ class GPUModelRunner:
             num_scheduled_tokens=total,
             logits_indices=self.logits_indices.copy_to_gpu(num_sampled),
             sample_rows=sample_rows,
-            sampling_metadata=self._sampling_metadata(sample_rows),
+            sampling_metadata=self._sampling_metadata(sample_rows) if self.is_last_stage else None,
         )
 
     def _scatter_prev_sampled(
@@ -528,9 +566,24 @@ class GPUModelRunner:
                 return False, CUDAGraphMode.FULL, key, key.num_tokens, self._graph_rows(key.num_tokens)
         return False, CUDAGraphMode.NONE, None, num_tokens, num_reqs
 
-    def _model_forward(self, inputs: PreparedInputs) -> torch.Tensor:
+    def _model_forward(
+        self, inputs: PreparedInputs, intermediate_tensors: IntermediateTensors | None
+    ) -> torch.Tensor | IntermediateTensors:
         assert self.model is not None
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        return self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate_tensors
+        )
+
+    def intermediate_tensors(self, num_tokens: int) -> IntermediateTensors | None:
+        """The static buffers a later pipeline stage receives `num_tokens` rows into (None on the first)."""
+        buffers = self._intermediate_buffers
+        if buffers is None:
+            return None
+        return IntermediateTensors(buffers.hidden_states[:num_tokens], buffers.residual[:num_tokens])
+
+    def num_input_tokens(self, scheduler_output: SchedulerOutput) -> int:
+        """Tokens the forward of this step runs on, padding included: what stages hand each other."""
+        return self._determine_batch_execution_and_padding(scheduler_output)[3]
 
     def _sample(self, hidden_states: torch.Tensor, inputs: PreparedInputs) -> SamplerOutput | None:
         """Logits only at the positions that sample; partial prefill chunks sample nothing
@@ -658,10 +711,14 @@ class GPUModelRunner:
 
     @torch.inference_mode()
     def execute_model(
-        self, scheduler_output: SchedulerOutput, intermediate_tensors: object | None = None
-    ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
+        self, scheduler_output: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
+    ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput | IntermediateTensors:
         """One step. With async scheduling the output's ids may still be in flight; the caller
-        resolves it with `get_output()` (at the latest before the step after next)."""
+        resolves it with `get_output()` (at the latest before the step after next).
+
+        A pipeline stage after the first starts from `intermediate_tensors` (received into
+        `intermediate_tensors(num_input_tokens)`); a stage before the last returns the tensors
+        for the next stage and samples nothing."""
         if self.kv_connector.can_skip_forward(scheduler_output):
             return self.kv_connector.no_forward(scheduler_output)
         if self._inputs_sent is not None:
@@ -683,7 +740,9 @@ class GPUModelRunner:
             assert self.cudagraph_manager is not None and graph_key is not None
             hidden_states = self.cudagraph_manager.replay(graph_key)
         else:
-            hidden_states = self._model_forward(inputs)
+            hidden_states = self._model_forward(inputs, intermediate_tensors)
+        if isinstance(hidden_states, IntermediateTensors):
+            return hidden_states
         self.kv_connector.post_forward(scheduler_output, hidden_states)
         sampler_output = self._sample(hidden_states, inputs)
         output = self._bookkeeping_sync(inputs, sampler_output)

@@ -1,21 +1,24 @@
 """`Worker`: one per device rank; owns the device, the model runner and the memory budget.
 
 The seed's chapter 4. Every rank runs every forward (tensor-parallel ranks must all join the
-collectives); only the driver rank returns a `ModelRunnerOutput`.
+collectives); only the driver rank (TP rank 0 of the last pipeline stage) returns a
+`ModelRunnerOutput`. A pipeline stage that is not last sends its hidden states on to the
+next stage's rank instead, and a later stage receives them before its forward.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Iterable
 
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.parallel_state import init_parallel_state
+from pagoda.distributed.parallel_state import init_distributed_environment, pp_recv, pp_send
 from pagoda.model.loader.model_loader import check_weights_complete, iter_checkpoint_weights
-from pagoda.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from pagoda.outputs import AsyncModelRunnerOutput, IntermediateTensors, ModelRunnerOutput
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.worker.gpu_model_runner import GPUModelRunner
 from pagoda.worker.tagged_memory import TaggedMemoryPool
@@ -55,6 +58,9 @@ class Worker:
         self.device: torch.device | None = None
         # Set by sleep(level=2): the weights tag then restores zeros and must be refilled.
         self._weights_need_reload = False
+        # The runner's last output while its sampled ids may be in flight; resolved once the
+        # next step is launched, so every rank's token history fills in (not only the driver's).
+        self._unresolved: deque[AsyncModelRunnerOutput] = deque()
 
     def init_device(self) -> None:
         if self.device_config.is_cuda:
@@ -67,7 +73,13 @@ class Worker:
             # Tiny activations (random dummy weights, long residual chains) turn denormal and make
             # CPU matmuls crawl; flushing them to zero changes no result that matters.
             torch.set_flush_denormal(True)
-        init_parallel_state(tp_rank=self.rank, tp_size=self.parallel_config.tensor_parallel_size)
+        init_distributed_environment(
+            self.rank,
+            self.parallel_config.tensor_parallel_size,
+            self.parallel_config.pipeline_parallel_size,
+            self.distributed_init_method,
+            self.device,
+        )
         torch.manual_seed(self.config.model_config.seed)
         # Weights and KV cache in tagged memory only when sleep mode may release them.
         self.memory_pool = TaggedMemoryPool(self.device) if self.cache_config.enable_sleep_mode else None
@@ -129,11 +141,30 @@ class Worker:
         self.model_runner.capture_model()
 
     def execute_model(
-        self, scheduler_output: SchedulerOutput, intermediate_tensors: object | None = None
+        self, scheduler_output: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
-        assert self.model_runner is not None
-        output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
+        """Every rank runs the step; the driver returns its output, the others None."""
+        runner = self.model_runner
+        assert runner is not None
+        if intermediate_tensors is None and not runner.is_first_stage and not scheduler_output.is_empty:
+            intermediate_tensors = runner.intermediate_tensors(runner.num_input_tokens(scheduler_output))
+            pp_recv(intermediate_tensors.tensors())
+        output = runner.execute_model(scheduler_output, intermediate_tensors)
+        if isinstance(output, IntermediateTensors):
+            pp_send(output.tensors())
+            return None
+        if self._unresolved:
+            self._unresolved.popleft().get_output()
+        if isinstance(output, AsyncModelRunnerOutput):
+            self._unresolved.append(output)
         return output if self.is_driver_worker else None
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless the runner holds no request."""
+        runner = self.model_runner
+        assert runner is not None
+        assert not runner.requests, f"runner still holds {list(runner.requests)}"
+        assert runner.input_batch.num_reqs == 0, "runner batch not empty"
 
     # ---- sleep mode ------------------------------------------------------------------------
 

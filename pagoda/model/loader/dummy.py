@@ -6,13 +6,17 @@ published `config.json` values, written here so that nothing is downloaded.
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.embedding import VocabParallelEmbedding
+from pagoda.model.layers.linear import RowParallelLinear, _ColumnShardedLinear
+from pagoda.model.models.decoder import STACKED_PARAMS, TIED_EMBEDDING
 
 DUMMY_SHAPES: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-0.6B
@@ -95,13 +99,49 @@ def dummy_shape_config(name: str) -> PretrainedConfig:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Norm weights 1, every other parameter uniform in +-DUMMY_WEIGHT_RANGE, seeded by `seed`."""
-    norm_params = {id(p) for module in model.modules() if isinstance(module, RMSNorm) for p in module.parameters()}
-    generators: dict[torch.device, torch.Generator] = {}
-    for param in model.parameters():
-        if id(param) in norm_params:
-            param.fill_(1.0)
-            continue
-        if param.device not in generators:
-            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generators[param.device])
+    """Load a seeded random checkpoint: norm weights 1, every other tensor uniform in
+    +-DUMMY_WEIGHT_RANGE, each full tensor drawn from its own generator (seed, HF name) and then
+    sliced by the weight loaders like a real checkpoint. So every tensor- or pipeline-parallel
+    split holds slices of the same model, and its greedy output matches a single rank's."""
+    shapes = checkpoint_shapes(model)
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+
+    def draw() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in sorted(model.expected_weight_names()):
+            if name.endswith("norm.weight"):
+                yield name, torch.ones(shapes[name], dtype=dtype, device=device)
+                continue
+            generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            tensor = torch.empty(shapes[name], dtype=dtype, device=device)
+            yield name, tensor.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+
+    model.load_weights(draw())
+
+
+def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """HF name -> full (unsplit) shape of every checkpoint tensor this rank's model loads."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    for module_name, module in model.named_modules():
+        for leaf, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{leaf}"
+            if isinstance(module, _ColumnShardedLinear):
+                for shard_id, (rows, _, count) in module.shards.items():
+                    shapes[_hf_name(name, shard_id)] = (rows * count, *param.shape[1:])
+            elif isinstance(module, RowParallelLinear) and param.ndim == 2:
+                shapes[name] = (param.shape[0], module.input_size_per_rank * module.tp_size)
+            elif isinstance(module, VocabParallelEmbedding):
+                full = (module.num_embeddings, param.shape[1])
+                shapes[TIED_EMBEDDING if tied and name == "lm_head.weight" else name] = full
+            else:
+                shapes[name] = tuple(param.shape)
+    return shapes
+
+
+def _hf_name(name: str, shard_id: object) -> str:
+    """Our merged parameter's name -> the checkpoint name of its shard `shard_id`."""
+    for ours, hf, stacked_shard_id in STACKED_PARAMS:
+        if f".{ours}." in name and stacked_shard_id == shard_id:
+            return name.replace(f".{ours}.", f".{hf}.")
+    return name

@@ -4,6 +4,11 @@ pre-norm blocks of (attention with RoPE and GQA, SwiGLU MLP), tokens flat: T tok
 requests concatenated, with `AttentionMetadata` telling attention which are whose. The models
 differ only in `DecoderOptions` (biases, per-head q/k norm), chosen from the HF config by each
 subclass's `decoder_options`.
+
+Under pipeline parallelism each stage builds only its own layers (the others are
+`PPMissingLayer` placeholders, so parameter names keep their HF layer indices); the first
+stage owns the embedding, the last the final norm and the LM head. A stage that is not last
+returns `IntermediateTensors` for the next instead of hidden states.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ from transformers import PretrainedConfig
 from pagoda.attention.backends import AttentionBackend
 from pagoda.attention.layer import Attention
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.distributed.parallel_state import get_parallel_state, get_pp_layer_range
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.model.layers.rotary import RotaryEmbedding, rope_settings, rotate_qkv
 from pagoda.model.layers.weight_utils import default_weight_loader
+from pagoda.outputs import IntermediateTensors
 
 # (our merged parameter, the HF checkpoint name merged into it, its shard id)
 STACKED_PARAMS = (
@@ -35,12 +42,20 @@ STACKED_PARAMS = (
 )
 
 
+# The checkpoint tensor that both embeds tokens and, with tied embeddings, computes logits.
+TIED_EMBEDDING = "model.embed_tokens.weight"
+
+
 @dataclass(frozen=True)
 class DecoderOptions:
     qkv_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+
+
+class PPMissingLayer(nn.Identity):
+    """Stands where a module of another pipeline stage would be; holds no parameters."""
 
 
 def head_size_of(config: PretrainedConfig) -> int:
@@ -132,13 +147,19 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, options: DecoderOptions, attn_backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        state = get_parallel_state()
+        self.is_first_stage, self.is_last_stage = state.is_first_pp_rank, state.is_last_pp_rank
+        self.start_layer, self.end_layer = get_pp_layer_range(config.num_hidden_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size) if self.is_first_stage else PPMissingLayer()
+        )
         theta, scaling = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(head_size_of(config), config.max_position_embeddings, theta, scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, options, attn_backend) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, options, attn_backend) if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
 
     def forward(
         self,
@@ -146,12 +167,20 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """`kv_caches` holds this stage's layers only; `intermediate_tensors` feeds every stage but the first."""
+        if self.is_first_stage:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate_tensors is not None, "a later pipeline stage starts from the previous one's tensors"
+            hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         cos_sin = self.rotary_emb(positions)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        layers = self.layers[self.start_layer : self.end_layer]
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden_states, residual = layer(hidden_states, residual, cos_sin, kv_cache, attn_metadata)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -163,10 +192,15 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, self.decoder_options(config), attn_backend)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        is_first_stage, is_last_stage = self.model.is_first_stage, self.model.is_last_stage
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if is_last_stage else PPMissingLayer()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and is_first_stage and is_last_stage:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Names of modules another pipeline stage holds: their checkpoint weights are skipped.
+        self._other_stage_prefixes = tuple(
+            f"{name}." for name, module in self.named_modules() if isinstance(module, PPMissingLayer)
+        )
 
     @classmethod
     def decoder_options(cls, config: PretrainedConfig) -> DecoderOptions:
@@ -182,9 +216,11 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> hidden states [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions [T] int64 -> hidden states [T, hidden] (last pipeline stage)
+        or the tensors the next stage starts from."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden states [N, hidden] -> float32 logits [N, vocab]."""
@@ -198,6 +234,10 @@ class DecoderForCausalLM(nn.Module):
             if hf_name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and hf_name == "lm_head.weight"):
                 continue
             name, shard_id = _param_name_and_shard(hf_name)
+            if name == TIED_EMBEDDING and name not in params and self.tie_word_embeddings:
+                name = "lm_head.weight"  # a last stage without the embedding still needs its rows
+            if name.startswith(self._other_stage_prefixes):
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint weight {hf_name!r} has no parameter in {type(self).__name__}")
             param = params[name]
@@ -213,6 +253,8 @@ class DecoderForCausalLM(nn.Module):
         """The HF names `load_weights` must see for every parameter to be filled."""
         names = set()
         for name, _ in self.named_parameters():
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                name = TIED_EMBEDDING
             merged = [name.replace(f".{ours}.", f".{hf}.") for ours, hf, _ in STACKED_PARAMS if f".{ours}." in name]
             names.update(merged or [name])
         return names

@@ -1,0 +1,137 @@
+"""One rank of the multiprocess executor: a Worker in a process of its own, driven by messages.
+
+`MultiprocExecutor` starts it as `python -c "...worker_proc import main; main()" FD PARENT_PID`,
+a fresh interpreter (no fork of a process that may already hold CUDA, and no re-import of the
+user's main module, which multiprocessing's spawn would do), and talks to it over one end of
+a socket pair (FD). Messages are pickled once each: `WorkerInit`, then `WorkerCall`s; every
+call but `execute_model` is answered with a `WorkerReply`, and `execute_model` only by the
+driver rank. The driver's step outputs go out from a sender thread, which waits for the
+sampled ids to reach the host while the main thread launches the next step.
+
+A failed step replies with the traceback and exits 1 (the other ranks may be stuck in a
+collective: the executor kills them). The process dies with its parent (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pagoda.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class WorkerInit:
+    config: EngineConfig
+    rank: int
+    local_rank: int
+    distributed_init_method: str | None
+    is_driver_worker: bool
+
+
+@dataclass
+class WorkerCall:
+    method: str  # a Worker method
+    args: tuple[Any, ...]
+
+
+@dataclass
+class WorkerReply:
+    ok: bool
+    value: Any  # the result, or the traceback when not ok
+
+
+def send(connection: Connection, message: Any) -> None:
+    connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the thread that started it exits (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        logger.warning("cannot ask to die with the parent process on this platform")
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before prctl took effect
+
+
+def _send_replies(connection: Connection, replies: queue.Queue) -> None:
+    """Send replies in order; resolve step outputs here so the main thread never waits on them."""
+    from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
+
+    while (reply := replies.get()) is not None:
+        if isinstance(reply.value, AsyncGPUModelRunnerOutput):
+            reply = WorkerReply(True, reply.value.host_output())
+        send(connection, reply)
+
+
+def run_worker(connection: Connection) -> int:
+    """Serve calls until `shutdown` or the executor's end of the pipe closes; the exit status."""
+    from pagoda.distributed.parallel_state import destroy_distributed_environment
+    from pagoda.worker.worker import Worker
+
+    init: WorkerInit = pickle.loads(connection.recv_bytes())
+    replies: queue.Queue[WorkerReply | None] = queue.Queue()
+    sender = threading.Thread(target=_send_replies, args=(connection, replies), daemon=True)
+    sender.start()
+    status = 0
+    try:
+        worker = Worker(
+            init.config,
+            local_rank=init.local_rank,
+            rank=init.rank,
+            distributed_init_method=init.distributed_init_method,
+            is_driver_worker=init.is_driver_worker,
+        )
+        worker.init_device()
+        worker.load_model()
+        replies.put(WorkerReply(True, None))
+        while True:
+            try:
+                call: WorkerCall = pickle.loads(connection.recv_bytes())
+            except EOFError:
+                break  # the executor is gone
+            if call.method == "shutdown":
+                break
+            try:
+                result = getattr(worker, call.method)(*call.args)
+            except Exception:
+                replies.put(WorkerReply(False, f"rank {init.rank}: {traceback.format_exc()}"))
+                if call.method == "execute_model":
+                    status = 1  # the ranks' states may now differ: this worker cannot go on
+                    break
+                continue
+            if call.method != "execute_model" or result is not None:
+                replies.put(WorkerReply(True, result))
+    except Exception:
+        replies.put(WorkerReply(False, f"rank {init.rank}: {traceback.format_exc()}"))
+        status = 1
+    replies.put(None)
+    sender.join()
+    if status == 0:
+        destroy_distributed_environment()
+    return status
+
+
+def main() -> None:
+    fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    _die_with_parent(parent_pid)
+    logging.basicConfig(level=os.environ.get("PAGODA_LOG_LEVEL", "WARNING"))
+    status = run_worker(Connection(fd))
+    sys.stdout.flush()
+    os._exit(status)  # skip interpreter teardown: a rank stuck in a collective would hang it
