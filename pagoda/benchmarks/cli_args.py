@@ -33,6 +33,12 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--result-json", default=None, help="also write the figures to this file")
 
 
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Ranks of the engine under test; floors become each GPU's share of the work."""
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+
+
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--load-format", default="auto")
@@ -45,6 +51,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
+    add_parallel_args(parser)
     parser.add_argument(
         "--peer",
         choices=["none", "hf"],
@@ -63,6 +70,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
+    add_parallel_args(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of each decode request")
     parser.add_argument("--output-len", type=int, default=128, help="N: decode time is taken over N - 1 tokens")

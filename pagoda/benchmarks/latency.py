@@ -106,14 +106,17 @@ def prefill_name(prompt_len: int) -> str:
     return f"prefill {prompt_len}"
 
 
-def plan_figures(plan: LatencyPlan, shape: ModelShape, dtype_bytes: int, rates: DeviceRates) -> list[Figure]:
+def plan_figures(
+    plan: LatencyPlan, shape: ModelShape, dtype_bytes: int, rates: DeviceRates, num_gpus: int = 1
+) -> list[Figure]:
+    """Each figure's work and its floor, the work split evenly over `num_gpus` GPUs."""
     works = [
         (decode_name(b), decode_step_work(shape, plan.decode_context_lens(b), dtype_bytes)) for b in plan.batch_sizes
     ]
     works += [
         (prefill_name(len(p)), prefill_work(shape, len(p), plan.chunk_size, dtype_bytes)) for p in plan.prefill_prompts
     ]
-    return [Figure(name, work, 1000.0 * rates.floor_seconds(work)) for name, work in works]
+    return [Figure(name, work, 1000.0 * rates.floor_seconds(work) / num_gpus) for name, work in works]
 
 
 def _median_seconds(generate: GenerateFn, prompts: list[list[int]], max_tokens: int, repeats: int) -> float:
@@ -191,6 +194,8 @@ def run(args: argparse.Namespace) -> dict:
         device=args.device,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=False,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
     config = EngineConfig.create(model=args.model, **engine_kwargs)
     model_config = config.model_config
@@ -204,10 +209,13 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(model=args.model, **engine_kwargs)
     # Measured on the same device, with the engine loaded, just before its figures.
     rates = measure_device_rates(device, dtype)
-    figures = plan_figures(plan, model_shape(model_config.hf_config), dtype_bytes, rates)
+    # Tensor parallelism splits each step's reads and FLOPs across its GPUs; pipeline stages run
+    # one after another for a single batch, so they do not lower the floor.
+    figures = plan_figures(plan, model_shape(model_config.hf_config), dtype_bytes, rates, args.tensor_parallel_size)
     by_name = {figure.name: figure for figure in figures}
     for name, ms in measure(pagoda_generate(llm), plan).items():
         by_name[name].ms["pagoda"] = ms
+    llm.shutdown()
     del llm
     free_device_memory()  # the engine's KV cache and graphs, before the peer loads
     if args.peer == "hf":

@@ -240,6 +240,8 @@ def run(args: argparse.Namespace) -> list[Measurement]:
         dtype=args.dtype,
         device=args.device,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
     print(f"pagoda startup (load, profile, graphs): {time.perf_counter() - start:.1f} s", flush=True)
     config = llm.llm_engine.config
@@ -250,14 +252,20 @@ def run(args: argparse.Namespace) -> list[Measurement]:
     shape = model_shape(model_config.hf_config)
     dtype_bytes = torch.empty((), dtype=model_config.dtype).element_size()
 
+    # Every GPU does its share of the work at once (TP splits each step, PP stages overlap).
+    num_gpus = config.parallel_config.world_size
+
     def floor_of(part: Workload) -> float:
-        return workload_floor_seconds(
-            shape,
-            [len(p) for p in part.prompts],
-            part.output_lens,
-            config.scheduler_config.max_num_batched_tokens,
-            dtype_bytes,
-            rates,
+        return (
+            workload_floor_seconds(
+                shape,
+                [len(p) for p in part.prompts],
+                part.output_lens,
+                config.scheduler_config.max_num_batched_tokens,
+                dtype_bytes,
+                rates,
+            )
+            / num_gpus
         )
 
     measurements = [Measurement("pagoda", workload, run_pagoda(llm, workload), floor_of(workload))]
@@ -266,6 +274,7 @@ def run(args: argparse.Namespace) -> list[Measurement]:
     if args.peer == "hf" and len(peer_workload.prompts) < num_requests:
         # Pagoda on the peer's subset too, so the two compare on the same requests.
         measurements.append(Measurement("pagoda", peer_workload, run_pagoda(llm, peer_workload), peer_floor))
+    llm.shutdown()
     del llm
     free_device_memory()  # the engine's KV cache and graphs, before the peer loads
     if args.peer == "hf":
@@ -281,7 +290,7 @@ def run(args: argparse.Namespace) -> list[Measurement]:
     print(
         f"floor: bytes over the copy bandwidth ({rates.copy_bytes_per_s / 1e9:.1f} GB/s) or FLOPs over the "
         f"{model_config.dtype} matmul rate ({rates.matmul_flops_per_s / 1e12:.2f} TFLOP/s) per step, all requests "
-        f"at once: {measurements[0].floor_seconds:.3f} s = "
+        f"at once, shared by {num_gpus} GPU(s): {measurements[0].floor_seconds:.3f} s = "
         f"{workload.num_output_tokens / measurements[0].floor_seconds:.0f} output tok/s"
     )
     print(format_table(measurements, num_requests))

@@ -31,6 +31,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=None)
     group.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     group.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests draw from it)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="ranks splitting each layer")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, help="pipeline stages")
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=["uni", "mp", "ray"],
+        default=None,
+        help="how ranks run: local processes (mp, the default above one rank) or Ray actors across machines (ray)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -41,7 +49,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "enable_prefix_caching": not args.no_prefix_caching,
     }
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for name in (
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "distributed_executor_backend",
+    ):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     return kwargs

@@ -24,6 +24,11 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig.create(model=model, **engine_kwargs))
 
+    def shutdown(self) -> None:
+        """Stop the engine's workers (with tensor or pipeline parallelism, their processes) now,
+        rather than when this process exits."""
+        self.llm_engine.engine_core.shutdown()
+
     def sleep(self, level: int = 1) -> None:
         """Free the device memory between uses (needs enable_sleep_mode=True and an idle engine):
         level 1 offloads the weights to CPU memory and drops the KV cache; level 2 drops both

