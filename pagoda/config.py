@@ -176,6 +176,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     distributed_init_method: str | None = None
+    # Tensor-parallel all-reduces of up to 4 MiB on CUDA go through a one-shot kernel over
+    # symmetric memory (see pagoda/distributed/one_shot.py); True: NCCL for every size.
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -31,7 +31,7 @@ SPLITS = [
     pytest.param((4, 1), id="tp4", marks=pytest.mark.skipif(NUM_GPUS < 4, reason="needs 4 GPUs")),
     pytest.param((2, 2), id="tp2xpp2", marks=pytest.mark.skipif(NUM_GPUS < 4, reason="needs 4 GPUs")),
 ]
-ENGINE = {"max_model_len": 256, "num_gpu_blocks": 512, "max_num_seqs": 16, "max_cudagraph_capture_size": 64}
+ENGINE = {"max_model_len": 128, "num_gpu_blocks": 512, "max_num_seqs": 16, "max_cudagraph_capture_size": 64}
 
 
 def prompts(count: int = 8, vocab: int = 256) -> list[list[int]]:
@@ -63,6 +63,17 @@ def test_tiny_checkpoint_split_matches_one_gpu(tiny, split) -> None:
         assert llm.llm_engine.config.scheduler_config.async_scheduling
         assert [out.token_ids for out in run(llm, prompts(), 24)] == reference
         llm.llm_engine.check_idle()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs")
+def test_tiny_checkpoint_tp2_over_nccl_only_matches_one_gpu(tiny) -> None:
+    """The same split with every all-reduce on NCCL (the one-shot kernel off)."""
+    path, reference = tiny
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, disable_custom_all_reduce=True, **ENGINE)
+    try:
+        assert [out.token_ids for out in run(llm, prompts(), 24)] == reference
     finally:
         llm.shutdown()
 

@@ -9,11 +9,14 @@ the identity.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from pagoda.distributed.one_shot import OneShotAllReduce, try_one_shot_all_reduce
 
 # Collectives that wait longer than this on a peer raise instead of hanging forever (gloo).
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -30,6 +33,8 @@ class ParallelState:
     pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     # Global ranks of this rank's pipeline (one per stage), for stage-to-stage sends.
     pp_ranks: list[int] = field(default_factory=lambda: [0])
+    # The tensor-parallel group's all-reduce for small messages (CUDA), None: NCCL for all.
+    one_shot: OneShotAllReduce | None = field(default=None, repr=False)
 
     @property
     def is_first_pp_rank(self) -> bool:
@@ -51,11 +56,18 @@ def init_parallel_state(tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp
 
 
 def init_distributed_environment(
-    rank: int, tp_size: int, pp_size: int, distributed_init_method: str | None, device: torch.device
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    distributed_init_method: str | None,
+    device: torch.device,
+    one_shot_all_reduce: bool = True,
 ) -> None:
     """Join the world (NCCL on CUDA, gloo on the CPU) and build this rank's TP and PP groups.
 
-    Every rank creates every group, in the same order, as `new_group` requires.
+    Every rank creates every group, in the same order, as `new_group` requires. On CUDA the
+    TP group also gets a one-shot all-reduce for small messages unless `one_shot_all_reduce`
+    is off.
     """
     global _STATE
     world_size = tp_size * pp_size
@@ -65,6 +77,8 @@ def init_distributed_environment(
     if distributed_init_method is None:
         raise ValueError("distributed_init_method is needed when tensor_parallel_size x pipeline_parallel_size > 1")
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # The PP group carries only sends and receives; NCCL warns that they serialize on it.
+    os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
@@ -85,7 +99,10 @@ def init_distributed_environment(
         group = dist.new_group([column + k * tp_size for k in range(pp_size)], backend=backend)
         if column == tp_rank:
             pp_group = group
-    _STATE = ParallelState(tp_rank, tp_size, pp_rank, pp_size, tp_group, pp_group, pp_ranks)
+    one_shot = None
+    if one_shot_all_reduce and backend == "nccl" and tp_size > 1:
+        one_shot = try_one_shot_all_reduce(tp_group, device)
+    _STATE = ParallelState(tp_rank, tp_size, pp_rank, pp_size, tp_group, pp_group, pp_ranks, one_shot)
 
 
 def destroy_distributed_environment() -> None:
@@ -116,9 +133,11 @@ def get_pp_size() -> int:
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the tensor-parallel group, in place."""
+    """Sum `x` over the tensor-parallel group (in place, or a new tensor for small messages)."""
     if _STATE.tp_size == 1:
         return x
+    if _STATE.one_shot is not None and _STATE.one_shot.fits(x):
+        return _STATE.one_shot(x)
     dist.all_reduce(x, group=_STATE.tp_group)
     return x
 

@@ -79,6 +79,7 @@ class Worker:
             self.parallel_config.pipeline_parallel_size,
             self.distributed_init_method,
             self.device,
+            one_shot_all_reduce=not self.parallel_config.disable_custom_all_reduce,
         )
         torch.manual_seed(self.config.model_config.seed)
         # Weights and KV cache in tagged memory only when sleep mode may release them.
