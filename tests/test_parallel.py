@@ -115,7 +115,8 @@ def test_killed_worker_fails_the_engine_quickly_and_leaves_no_process(tmp_path) 
 
     def generate() -> None:
         try:
-            greedy(llm, make_prompts(4) * 50, max_tokens=100)
+            while True:  # until the kill fails the engine
+                greedy(llm, make_prompts(4) * 50, max_tokens=100)
         except BaseException as e:
             errors.append(e)
         finished.set()

@@ -128,7 +128,8 @@ def test_killed_rank_fails_the_engine_within_10_s(tiny) -> None:
 
     def generate() -> None:
         try:
-            run(llm, prompts() * 30, 200)
+            while True:  # until the kill fails the engine
+                run(llm, prompts() * 30, 200)
         except BaseException as e:
             errors.append(e)
         finished.set()
