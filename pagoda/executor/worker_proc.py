@@ -10,6 +10,10 @@ sampled ids to reach the host while the main thread launches the next step.
 
 A failed step replies with the traceback and exits 1 (the other ranks may be stuck in a
 collective: the executor kills them). The process dies with its parent (PR_SET_PDEATHSIG).
+
+With PAGODA_WORKER_PROFILE_DIR set, each rank profiles its steps (`StepProfile`) and writes
+`rank<N>.txt` there when it exits: time waiting for each step's message against time inside
+the step, and torch.profiler's table of the kernels and host calls.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -32,6 +37,7 @@ from pagoda.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+PROFILE_DIR_ENV = "PAGODA_WORKER_PROFILE_DIR"
 
 
 @dataclass
@@ -53,6 +59,44 @@ class WorkerCall:
 class WorkerReply:
     ok: bool
     value: Any  # the result, or the traceback when not ok
+
+
+@dataclass
+class StepProfile:
+    """Where one rank's step time goes: waiting for the message vs inside `execute_model`
+    (host wall time), and torch.profiler from the first step to exit."""
+
+    directory: str
+    rank: int
+    wait_s: list[float] = field(default_factory=list)
+    execute_s: list[float] = field(default_factory=list)
+    profiler: Any = None
+
+    def record(self, wait_s: float, execute_s: float) -> None:
+        if self.profiler is None:
+            import torch
+
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+            return  # the first step starts the profiler; it is not counted
+        self.wait_s.append(wait_s)
+        self.execute_s.append(execute_s)
+
+    def write(self) -> None:
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        steps = max(len(self.execute_s), 1)
+        table = self.profiler.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+        with open(os.path.join(self.directory, f"rank{self.rank}.txt"), "w") as file:
+            file.write(
+                f"rank {self.rank}: {len(self.execute_s)} steps; per step: waiting for the message "
+                f"{1000 * sum(self.wait_s) / steps:.3f} ms, inside execute_model "
+                f"{1000 * sum(self.execute_s) / steps:.3f} ms (host wall time, profiler on)\n{table}\n"
+            )
 
 
 def send(connection: Connection, message: Any) -> None:
@@ -90,6 +134,8 @@ def run_worker(connection: Connection) -> int:
     sender = threading.Thread(target=_send_replies, args=(connection, replies), daemon=True)
     sender.start()
     status = 0
+    profile_dir = os.environ.get(PROFILE_DIR_ENV)
+    profile = StepProfile(profile_dir, init.rank) if profile_dir else None
     try:
         worker = Worker(
             init.config,
@@ -102,14 +148,18 @@ def run_worker(connection: Connection) -> int:
         worker.load_model()
         replies.put(WorkerReply(True, None))
         while True:
+            waited_from = time.perf_counter()
             try:
                 call: WorkerCall = pickle.loads(connection.recv_bytes())
             except EOFError:
                 break  # the executor is gone
             if call.method == "shutdown":
                 break
+            started = time.perf_counter()
             try:
                 result = getattr(worker, call.method)(*call.args)
+                if profile is not None and call.method == "execute_model":
+                    profile.record(started - waited_from, time.perf_counter() - started)
             except Exception:
                 replies.put(WorkerReply(False, f"rank {init.rank}: {traceback.format_exc()}"))
                 if call.method == "execute_model":
@@ -121,6 +171,8 @@ def run_worker(connection: Connection) -> int:
     except Exception:
         replies.put(WorkerReply(False, f"rank {init.rank}: {traceback.format_exc()}"))
         status = 1
+    if profile is not None:
+        profile.write()
     replies.put(None)
     sender.join()
     if status == 0:
