@@ -11,8 +11,8 @@ sampled ids to reach the host while the main thread launches the next step.
 A failed step replies with the traceback and exits 1 (the other ranks may be stuck in a
 collective: the executor kills them). The process dies with its parent (PR_SET_PDEATHSIG).
 
-With PAGODA_WORKER_PROFILE_DIR set, each rank profiles its steps (`StepProfile`) and writes
-`rank<N>.txt` there when it exits: time waiting for each step's message against time inside
+With PAGODA_WORKER_PROFILE_DIR set, each rank profiles steps 11 to 60 (`StepProfile`) and
+then writes `rank<N>.txt` there: time waiting for each step's message against time inside
 the step, and torch.profiler's table of the kernels and host calls.
 """
 
@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 PROFILE_DIR_ENV = "PAGODA_WORKER_PROFILE_DIR"
+# Steps a profiled rank skips (warm-up), then profiles.
+PROFILE_SKIP_STEPS, PROFILE_STEPS = 10, 50
 
 
 @dataclass
@@ -64,15 +66,22 @@ class WorkerReply:
 @dataclass
 class StepProfile:
     """Where one rank's step time goes: waiting for the message vs inside `execute_model`
-    (host wall time), and torch.profiler from the first step to exit."""
+    (host wall time), and torch.profiler over the same steps."""
 
     directory: str
     rank: int
     wait_s: list[float] = field(default_factory=list)
     execute_s: list[float] = field(default_factory=list)
+    num_steps: int = 0
     profiler: Any = None
 
     def record(self, wait_s: float, execute_s: float) -> None:
+        self.num_steps += 1
+        if self.num_steps < PROFILE_SKIP_STEPS or self.num_steps > PROFILE_SKIP_STEPS + PROFILE_STEPS:
+            return
+        if self.num_steps == PROFILE_SKIP_STEPS + PROFILE_STEPS:
+            self.write()
+            return
         if self.profiler is None:
             import torch
 
@@ -81,7 +90,7 @@ class StepProfile:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.start()
-            return  # the first step starts the profiler; it is not counted
+            return  # this step starts the profiler; it is not counted
         self.wait_s.append(wait_s)
         self.execute_s.append(execute_s)
 
@@ -171,8 +180,6 @@ def run_worker(connection: Connection) -> int:
     except Exception:
         replies.put(WorkerReply(False, f"rank {init.rank}: {traceback.format_exc()}"))
         status = 1
-    if profile is not None:
-        profile.write()
     replies.put(None)
     sender.join()
     if status == 0:
