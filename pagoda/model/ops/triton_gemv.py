@@ -1,0 +1,252 @@
+"""y = x W^T (+ bias) for decode-sized batches (a few tokens) in a Triton kernel that streams W.
+
+At batch sizes of 1 to 8 tokens a linear layer is bound by reading its weight: cuBLAS's GEMV
+through `F.linear` moves the weight well below the GPU's copy bandwidth, and the smaller
+matrices of tensor parallelism leave it worse. Here each program owns BLOCK_N rows of W
+[N, K] (nn.Linear's layout) and walks K in BLOCK_K steps, each step a tile contiguous along K,
+multiplied by all rows of x at once with `tl.dot` (x padded to BLOCK_M = 16 rows, the smallest
+dot tile; x is tiny and stays in L2). Loads feeding a dot are software-pipelined by Triton
+(num_stages tiles in flight through shared memory), which is what keeps the memory system busy.
+
+When N / BLOCK_N programs cannot fill the GPU, K is split: each of split_k programs of a row
+block writes its float32 partial sums to [split, M, N] and a second small kernel adds the
+splits in a fixed order, so results are bit-identical run to run (no atomics).
+
+Block sizes come from `gemv_config`: the TUNED_CONFIGS table (from `benchmarks/gemv.py --sweep`
+on the target GPU) and otherwise a heuristic. Both are plain functions of the shape, so nothing
+is tuned at run time and the kernel can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows of x one program multiplies: the smallest tile `tl.dot` takes, so the most tokens gemv serves.
+MAX_TOKENS = 16
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Bytes of each W row a program loads per K step in the heuristic (256 bf16 elements).
+ROW_BYTES_PER_STEP = 512
+# Shared memory the heuristic lets the pipelined W and x tiles use.
+SHARED_MEMORY_BUDGET = 128 * 1024
+# Programs per SM the heuristic aims for, so that several tiles are in flight on every SM.
+PROGRAMS_PER_SM = 2
+# SM count assumed off CUDA (the interpreter): an H100/H200's.
+DEFAULT_NUM_SMS = 132
+SUM_BLOCK_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """How one call is tiled: rows per program, K step, K splits, and the launch options."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} ({value}) must be a power of two >= 16 (tl.dot's smallest tile)")
+        if self.split_k < 1:
+            raise ValueError(f"split_k ({self.split_k}) must be >= 1")
+
+
+# (N, K, M rounded up to a power of two) -> config for 16-bit weights, measured on the target GPU.
+# Paste the output of `python benchmarks/gemv.py --sweep` here; shapes not in it use the heuristic.
+TUNED_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    WRITE_PARTIALS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # W as the dot's left operand [BLOCK_N, BLOCK_K] (its natural K-contiguous layout), x^T as
+    # the right one [BLOCK_K, BLOCK_M]: acc holds y^T for this block of rows.
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_start + offs_k)[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        k_mask = k + offs_k < K
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        if DOT_IN_FP32:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(w, x, acc, input_precision=INPUT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    mask = n_mask[:, None] & m_mask[None, :]
+    if WRITE_PARTIALS:
+        tl.store(out_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], out, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _sum_splits_kernel(
+    partials_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    split_k,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    m = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < N
+    acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+    for split in range(split_k):
+        acc += tl.load(partials_ptr + (split * M + m) * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def default_config(n: int, k: int, element_size: int, num_sms: int) -> GemvConfig:
+    """The heuristic: the widest row block (64, 32 or 16 rows) that still gives every SM
+    PROGRAMS_PER_SM programs; when even 16-row blocks leave SMs idle, split K until they do.
+    A K step is ROW_BYTES_PER_STEP bytes of each row, and as many pipeline stages as fit in
+    SHARED_MEMORY_BUDGET (2 to 4). The cost hardly depends on the token count, so M is not an input."""
+    block_k = min(ROW_BYTES_PER_STEP // element_size, max(16, triton.next_power_of_2(k)))
+    target = PROGRAMS_PER_SM * num_sms
+    block_n = next((size for size in (64, 32) if triton.cdiv(n, size) >= target), 16)
+    row_blocks = triton.cdiv(n, block_n)
+    split_k = 1
+    if row_blocks < num_sms:
+        split_k = min(max(1, triton.cdiv(k, block_k)), triton.cdiv(target, row_blocks))
+    stage_bytes = (block_n + MAX_TOKENS) * block_k * element_size
+    num_stages = max(2, min(4, SHARED_MEMORY_BUDGET // stage_bytes))
+    return GemvConfig(block_n, block_k, split_k, num_warps=4, num_stages=num_stages)
+
+
+def gemv_config(n: int, k: int, m: int, dtype: torch.dtype, device: torch.device) -> GemvConfig:
+    """The config gemv uses for W [n, k] and m tokens: TUNED_CONFIGS's entry, else the heuristic."""
+    element_size = torch.finfo(dtype).bits // 8
+    if element_size == 2:
+        tuned = TUNED_CONFIGS.get((n, k, triton.next_power_of_2(max(m, 1))))
+        if tuned is not None:
+            return tuned
+    return default_config(n, k, element_size, _num_sms(device))
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M <= MAX_TOKENS, K] and a contiguous weight [N, K] in
+    bf16, fp16 or fp32, accumulated in float32; `config` overrides `gemv_config`'s choice."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [tokens, in_features], got shape {tuple(x.shape)}")
+    num_tokens, in_features = x.shape
+    if weight.dim() != 2 or weight.shape[1] != in_features:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [out_features, in_features={in_features}]")
+    out_features = weight.shape[0]
+    if num_tokens > MAX_TOKENS:
+        raise ValueError(f"x has {num_tokens} tokens, gemv takes at most MAX_TOKENS={MAX_TOKENS}")
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x ({x.dtype}) and weight ({weight.dtype}) must share one dtype of {DTYPES}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} must be ({out_features},) in {x.dtype}")
+    out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or out_features == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    if config is None:
+        config = gemv_config(out_features, in_features, num_tokens, x.dtype, x.device)
+    # Whole K steps per split, and no empty split.
+    steps = max(1, triton.cdiv(in_features, config.block_k))
+    steps_per_split = triton.cdiv(steps, min(config.split_k, steps))
+    split_k = triton.cdiv(steps, steps_per_split)
+    write_partials = split_k > 1
+    # Triton's interpreter (CPU tensors) multiplies bf16 dot operands as their raw bits; in float32
+    # the products are the same exact ones the GPU's tensor cores form.
+    on_cpu = x.device.type == "cpu"
+    target = (
+        torch.empty(split_k, num_tokens, out_features, dtype=torch.float32, device=x.device) if write_partials else out
+    )
+    _gemv_kernel[(triton.cdiv(out_features, config.block_n), split_k)](
+        x,
+        weight,
+        x if bias is None else bias,
+        target,
+        num_tokens,
+        out_features,
+        in_features,
+        steps_per_split * config.block_k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        WRITE_PARTIALS=write_partials,
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 or on_cpu else "tf32",
+        DOT_IN_FP32=on_cpu and x.dtype == torch.bfloat16,
+        BLOCK_M=MAX_TOKENS,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if write_partials:
+        _sum_splits_kernel[(triton.cdiv(out_features, SUM_BLOCK_SIZE), num_tokens)](
+            target,
+            x if bias is None else bias,
+            out,
+            num_tokens,
+            out_features,
+            split_k,
+            out.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_SIZE=SUM_BLOCK_SIZE,
+        )
+    return out
