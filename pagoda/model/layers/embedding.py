@@ -17,6 +17,7 @@ from pagoda.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagoda.model import ops
 from pagoda.model.layers.weight_utils import CheckpointWeight, copy_weight, narrow_weight
 
 
@@ -55,5 +56,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden states [N, hidden] -> logits [N, vocab] over the full vocabulary on every rank."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = tensor_model_parallel_all_gather(F.linear(hidden_states, self.weight), dim=-1)
+        logits = tensor_model_parallel_all_gather(ops.linear(hidden_states, self.weight), dim=-1)
         return logits[..., : self.num_embeddings]

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from pagoda.model import ops
 from pagoda.model.layers.weight_utils import CheckpointWeight, copy_weight, narrow_weight
 
 ShardId = int | str | None
@@ -73,7 +73,7 @@ class _ColumnShardedLinear(nn.Module):
         copy_weight(dst, narrow_weight(loaded_weight, 0, index * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(_ColumnShardedLinear):
@@ -152,5 +152,5 @@ class RowParallelLinear(nn.Module):
         copy_weight(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        out = ops.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(out)

@@ -27,12 +27,13 @@ GEMV_MAX_TOKENS = 8
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 if TRITON_AVAILABLE:
-    from pagoda.model.ops.triton_gemv import gemv
+    from pagoda.model.ops.triton_gemv import gemv, tuned_config
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); for 1 to GEMV_MAX_TOKENS tokens [M, K] of bf16/fp16 on CUDA it runs
-    the Triton GEMV, which reads the weight at close to copy bandwidth where cuBLAS does not."""
+    """F.linear(x, weight, bias); for 1 to GEMV_MAX_TOKENS tokens [M, K] of bf16/fp16 on CUDA, on the
+    weight shapes where it was measured faster than cuBLAS (triton_gemv.TUNED_CONFIGS), it runs
+    the Triton GEMV, which reads the weight at closer to copy bandwidth."""
     if (
         use_triton(x)
         and x.dim() == 2
@@ -41,6 +42,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.dtype == x.dtype
         and weight.is_contiguous()
         and (bias is None or bias.dtype == x.dtype)
+        and tuned_config(weight.shape[0], weight.shape[1], x.shape[0], x.dtype) is not None
     ):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
