@@ -15,6 +15,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,3 +211,32 @@ def test_checkpoint_shapes_are_the_unsplit_ones(parallel_state) -> None:
     split = checkpoint_shapes(_dummy_model(config, tp_rank=1, tp_size=2))
     assert single == split
     assert single["model.layers.0.self_attn.k_proj.weight"] == (2 * 16, 64)
+
+
+def test_server_with_a_killed_rank_reports_it_and_exits_cleanly(tmp_path) -> None:
+    """`pagoda serve -tp 2`: serves, then a worker killed while idle ends the server (exit 1)
+    within 10 s, /health turning 503 on the way, with no process left behind."""
+    pytest.importorskip("fastapi")
+    from server_utils import RemoteServer, child_pids, is_running, wait_until
+
+    save_tiny_checkpoint("llama3", str(tmp_path))
+    prompt = make_prompts(1)[0]
+    server = RemoteServer(
+        "--model", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "-tp", "2"
+    )
+    try:
+        body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        response = server.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == NEW_TOKENS
+        core = server.core_pid()
+        workers = [pid for pid in child_pids(core) if b"worker_proc" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert server.process.wait(10) == 1
+        assert time.monotonic() - killed_at < 10
+        assert wait_until(lambda: not any(is_running(pid) for pid in [core, *workers]), 10)
+    finally:
+        if server.process.poll() is None:
+            server.stop()

@@ -82,6 +82,7 @@ class EngineCoreLoop:
         while os.getppid() == self.parent_pid:
             idle = not self.core.has_work()
             if not self.commands.poll(IDLE_POLL_MS if idle else 0) and idle:
+                self.core.executor.check_health()  # a worker that died while idle ends the core now
                 continue
             outputs: list[EngineCoreOutput] = []
             utility_results: dict[int, UtilityResult] = {}

@@ -102,6 +102,10 @@ class Executor(ABC):
             weights = list(weights)  # every rank reads them
         return sorted(set().union(*self.collective_rpc("update_weights", weights)))
 
+    def check_health(self) -> None:  # noqa: B027 (most backends find a dead worker at the next call)
+        """Raise WorkerFailedError if a worker has died; the engine checks this while idle, where
+        no call would find it out."""
+
     def check_idle(self) -> None:
         """Raise AssertionError unless every worker holds no request state."""
         self.collective_rpc("check_idle")

@@ -121,10 +121,10 @@ class MultiprocExecutor(Executor):
         """The next reply of `rank`, watching every worker while waiting."""
         connection = self.connections[rank]
         while not connection.poll(WORKER_POLL_S):
-            self._check_workers()
+            self.check_health()
         reply = self._read(rank)
         if not reply.ok:
-            self._check_workers()  # a rank that died is the cause of its peers' collective errors
+            self.check_health()  # a rank that died is the cause of its peers' collective errors
             raise self._failure(f"worker failed: {reply.value}")
         return reply.value
 
@@ -134,7 +134,7 @@ class MultiprocExecutor(Executor):
         except (EOFError, OSError) as e:
             raise self._failure(f"rank {rank} closed its pipe (exit status {self.processes[rank].poll()})") from e
 
-    def _check_workers(self) -> None:
+    def check_health(self) -> None:
         """Raise if any worker exited, with its last words when it left some."""
         for rank, process in enumerate(self.processes):
             status = process.poll()
