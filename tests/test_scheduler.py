@@ -11,6 +11,7 @@ preempted or pipelined, must produce the same tokens.
 
 from __future__ import annotations
 
+import itertools
 import random
 import zlib
 from collections import deque
@@ -216,6 +217,7 @@ def make_harness() -> Iterator[Callable[..., Harness]]:
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
         token_fn: TokenFn = position_token,
+        pipeline_parallel: bool = False,
     ) -> Harness:
         config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -224,7 +226,8 @@ def make_harness() -> Iterator[Callable[..., Harness]]:
             max_model_len=max_model_len,
         )
         cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
-        harness = Harness(Scheduler(config, cache_config, num_blocks), FakeRunner(max_model_len, token_fn), config)
+        scheduler = Scheduler(config, cache_config, num_blocks, pipeline_parallel=pipeline_parallel)
+        harness = Harness(scheduler, FakeRunner(max_model_len, token_fn), config)
         harnesses.append(harness)
         return harness
 
@@ -357,6 +360,41 @@ def test_preemption_by_recompute_resumes_and_finishes_everything(make_harness, d
     for req_id, request in requests.items():
         assert h.outputs[req_id] == h.expected_tokens(request, 12)
         assert h.finished[req_id].finish_reason == FinishReason.LENGTH
+
+
+def test_pipeline_parallel_leaves_in_flight_requests_out_and_sends_their_new_tokens(make_harness) -> None:
+    """Two batches in flight (one per stage): a request whose token is still in flight is not in
+    the next batch, so consecutive batches differ; each scheduled request carries the tokens
+    sampled since it last ran (for the stages that do not sample), and the outputs are the same."""
+    h = make_harness(num_blocks=16, max_num_batched_tokens=16, pipeline_parallel=True)
+    requests = [h.add(f"r{i}", 3 + 4 * i, max_tokens=6) for i in range(4)]
+    h.run(depth=2)
+    for request in requests:
+        assert h.outputs[request.request_id] == h.expected_tokens(request, 6)
+    prompt_lens = {request.request_id: request.num_prompt_tokens for request in requests}
+    for earlier, later in itertools.pairwise(h.steps):
+        sampled = {r for r in earlier.num_scheduled_tokens if _num_computed_after(earlier, r) >= prompt_lens[r]}
+        assert not sampled & set(later.num_scheduled_tokens), "a request with a token in flight was rescheduled"
+    num_sent = 0
+    for so in h.steps:
+        cached = so.scheduled_cached_reqs
+        assert len(cached.new_token_ids) == cached.num_reqs
+        for req_id, computed, new_ids in zip(
+            cached.req_ids, cached.num_computed_tokens, cached.new_token_ids, strict=True
+        ):
+            start = max(computed, prompt_lens[req_id])
+            assert new_ids == [position_token(req_id, p) for p in range(start, start + len(new_ids))]
+            assert len(new_ids) == (1 if computed >= prompt_lens[req_id] else 0)
+            num_sent += len(new_ids)
+    assert num_sent >= 4 * 4
+
+
+def _num_computed_after(so: SchedulerOutput, req_id: str) -> int:
+    """A request's computed tokens once step `so` ran."""
+    cached = so.scheduled_cached_reqs
+    before = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    before.update((new.req_id, new.num_computed_tokens) for new in so.scheduled_new_reqs)
+    return before[req_id] + so.num_scheduled_tokens[req_id]
 
 
 def test_preempted_request_resumes_before_later_arrivals(make_harness) -> None:
