@@ -202,6 +202,12 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def driver_rank(self) -> int:
+        """TP rank 0 of the last pipeline stage: the rank whose step output the engine reads.
+        Ranks below it belong to earlier stages, which hand hidden states on instead."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
     def check_model(self, model_config: ModelConfig) -> None:
         """The model must split evenly: query heads and the KV heads (or the ranks sharing
         one KV head) across TP ranks, at least one layer per pipeline stage."""

@@ -43,13 +43,36 @@ def greedy(llm: LLM, prompts: list, max_tokens: int = NEW_TOKENS) -> list[list[i
     return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def sampled(llm: LLM, prompts: list) -> list[tuple[list[int], list[dict[int, float] | None]]]:
+    """Seeded random samples, and the logprobs of each sampled token's top 2 and of each prompt
+    token's top 1: every rank must sample alike (same logits, same seeds) for a split to match."""
+    params = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=6, logprobs=2, prompt_logprobs=1)
+    results = []
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        entries = out.prompt_logprobs + out.outputs[0].logprobs
+        logprobs = [None if e is None else {t: lp.logprob for t, lp in e.items()} for e in entries]
+        results.append((out.outputs[0].token_ids, logprobs))
+    return results
+
+
+def assert_same_samples(ours: list[tuple], reference: list[tuple]) -> None:
+    """The same tokens and top tokens; logprobs equal up to float32 summation order."""
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(ours, reference, strict=True):
+        assert tokens == ref_tokens
+        for entry, ref_entry in zip(logprobs, ref_logprobs, strict=True):
+            assert (entry is None) == (ref_entry is None)
+            if entry is not None:
+                assert entry.keys() == ref_entry.keys()
+                assert all(abs(entry[t] - ref_entry[t]) < 1e-4 for t in entry)
+
+
 @pytest.fixture(scope="module", params=["llama3", "llama-biased-tied", "qwen3"])
-def checkpoint(request, tmp_path_factory) -> tuple[str, list[list[int]]]:
-    """A tiny checkpoint and its single-rank greedy output (the reference)."""
+def checkpoint(request, tmp_path_factory) -> tuple[str, list[list[int]], list[tuple]]:
+    """A tiny checkpoint and its single-rank outputs (the reference): greedy, and sampled."""
     path = str(tmp_path_factory.mktemp(request.param))
     save_tiny_checkpoint(request.param, path)
     llm = LLM(path, **ENGINE)
-    return path, greedy(llm, make_prompts())
+    return path, greedy(llm, make_prompts()), sampled(llm, make_prompts(3))
 
 
 @pytest.mark.parametrize(
@@ -58,11 +81,40 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, list[list[int]]]:
     ids=["tp2", "pp2", "tp2xpp2-async"],
 )
 def test_split_matches_single_rank(checkpoint, tp: int, pp: int, async_scheduling: bool) -> None:
-    path, reference = checkpoint
+    path, reference, sampled_reference = checkpoint
     llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, async_scheduling=async_scheduling, **ENGINE)
     try:
         assert greedy(llm, make_prompts()) == reference
+        assert_same_samples(sampled(llm, make_prompts(3)), sampled_reference)
         llm.llm_engine.check_idle()
+    finally:
+        llm.shutdown()
+
+
+def test_sleep_wake_and_weight_updates_reach_every_rank(tmp_path) -> None:
+    """TP=2 with sleep mode: the same output after sleeping at level 1 and 2, and update_weights
+    from a checkpoint equals an engine started on it."""
+    from safetensors.torch import load_file, save_file
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    save_tiny_checkpoint("llama3", str(first))
+    save_tiny_checkpoint("llama3", str(second))
+    weights = load_file(second / "model.safetensors")
+    weights = {name: -tensor if "mlp" in name else tensor for name, tensor in weights.items()}
+    save_file(weights, second / "model.safetensors", metadata={"format": "pt"})
+    prompts = make_prompts(3)
+    expected_second = greedy(LLM(str(second), **ENGINE), prompts)
+    llm = LLM(str(first), tensor_parallel_size=2, enable_sleep_mode=True, **ENGINE)
+    try:
+        before = greedy(llm, prompts)
+        for level in (1, 2):
+            llm.sleep(level)
+            assert llm.is_sleeping
+            llm.wake_up()
+            assert greedy(llm, prompts) == before
+        llm.update_weights(str(second))
+        assert expected_second != before
+        assert greedy(llm, prompts) == expected_second
     finally:
         llm.shutdown()
 

@@ -173,6 +173,12 @@ class LLMEngine:
         if self.dead_error is not None:
             raise self.dead_error
 
+    def shutdown(self) -> None:
+        """Stop the engine core and its workers; every later call raises EngineDeadError."""
+        if self.dead_error is None:
+            self.dead_error = EngineDeadError("the engine was shut down")
+        self.engine_core.shutdown()
+
     def check_idle(self) -> None:
         """Raise AssertionError unless no request state is left in any layer and the KV pool is
         whole (every block free or cached and evictable). Call it when no request is in flight."""

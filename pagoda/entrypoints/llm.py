@@ -27,7 +27,7 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine's workers (with tensor or pipeline parallelism, their processes) now,
         rather than when this process exits."""
-        self.llm_engine.engine_core.shutdown()
+        self.llm_engine.shutdown()
 
     def sleep(self, level: int = 1) -> None:
         """Free the device memory between uses (needs enable_sleep_mode=True and an idle engine):

@@ -64,7 +64,7 @@ class MultiprocExecutor(Executor):
         super().__init__(config)
         parallel = config.parallel_config
         self.world_size = parallel.world_size
-        self.output_rank = (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+        self.output_rank = parallel.driver_rank
         init_method = parallel.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         self.processes: list[subprocess.Popen] = []
         self.connections: list[Connection] = []
@@ -83,7 +83,12 @@ class MultiprocExecutor(Executor):
                 theirs.close()
                 self.connections.append(ours)
                 local_rank = rank  # one node: ranks are device indices
-                send(ours, WorkerInit(config, rank, local_rank, init_method, rank == self.output_rank))
+                send(
+                    ours,
+                    WorkerInit(
+                        config, rank, local_rank, init_method, rank == self.output_rank, rank < self.output_rank
+                    ),
+                )
             for rank in range(self.world_size):
                 self._recv(rank)  # loaded
         except BaseException:
@@ -92,6 +97,8 @@ class MultiprocExecutor(Executor):
         logger.info("started %d worker processes (driver rank %d)", self.world_size, self.output_rank)
 
     def _broadcast(self, call: WorkerCall) -> None:
+        if not self.connections:
+            raise WorkerFailedError(f"{call.method}: the workers were shut down")
         data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, connection in enumerate(self.connections):
             try:

@@ -105,6 +105,7 @@ class RayWorkerWrapper:
         local_rank: int,
         distributed_init_method: str,
         is_driver_worker: bool,
+        return_hidden_states: bool,
         node_gpu_ids: list[Any],
     ) -> None:
         """Build, place and load this rank's Worker; every rank must be called at once (they meet
@@ -119,6 +120,7 @@ class RayWorkerWrapper:
             rank=rank,
             distributed_init_method=distributed_init_method,
             is_driver_worker=is_driver_worker,
+            return_hidden_states=return_hidden_states,
         )
         self.worker.init_device()
         self.worker.load_model()
@@ -153,7 +155,7 @@ class RayExecutor(Executor):
         super().__init__(config)
         parallel = config.parallel_config
         self.world_size = parallel.world_size
-        self.output_rank = (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+        self.output_rank = parallel.driver_rank
         self.actors: list[ray.actor.ActorHandle] = []
         self.placement_group: PlacementGroup | None = None
         self.started_ray = connect_ray()
@@ -203,7 +205,13 @@ class RayExecutor(Executor):
         self.wait(
             [
                 actor.init_worker.remote(
-                    config_ref, rank, place.local_rank, init_method, rank == self.output_rank, place.node_gpu_ids
+                    config_ref,
+                    rank,
+                    place.local_rank,
+                    init_method,
+                    rank == self.output_rank,
+                    rank < self.output_rank,
+                    place.node_gpu_ids,
                 )
                 for rank, (actor, place) in enumerate(zip(self.actors, ranks, strict=True))
             ],

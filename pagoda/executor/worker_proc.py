@@ -49,6 +49,7 @@ class WorkerInit:
     local_rank: int
     distributed_init_method: str | None
     is_driver_worker: bool
+    return_hidden_states: bool
 
 
 @dataclass
@@ -152,6 +153,7 @@ def run_worker(connection: Connection) -> int:
             rank=init.rank,
             distributed_init_method=init.distributed_init_method,
             is_driver_worker=init.is_driver_worker,
+            return_hidden_states=init.return_hidden_states,
         )
         worker.init_device()
         worker.load_model()

@@ -151,8 +151,9 @@ class Worker:
             intermediate_tensors = runner.intermediate_tensors(runner.num_input_tokens(scheduler_output))
             pp_recv(intermediate_tensors.tensors())
         output = runner.execute_model(scheduler_output, intermediate_tensors)
-        if isinstance(output, IntermediateTensors):
-            pp_send(output.tensors())
+        if self.return_hidden_states:
+            if isinstance(output, IntermediateTensors):  # (an empty step sends nothing)
+                pp_send(output.tensors())
             return None
         if self._unresolved:
             self._unresolved.popleft().get_output()
