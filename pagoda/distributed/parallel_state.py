@@ -124,14 +124,6 @@ def get_tp_size() -> int:
     return _STATE.tp_size
 
 
-def get_pp_rank() -> int:
-    return _STATE.pp_rank
-
-
-def get_pp_size() -> int:
-    return _STATE.pp_size
-
-
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the tensor-parallel group (in place, or a new tensor for small messages)."""
     if _STATE.tp_size == 1:
