@@ -13,7 +13,6 @@ import itertools
 import os
 import random
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import pytest
 import torch
 from conftest import smollm2_gguf_path
 from model_utils import TINY_CONFIGS, save_tiny_checkpoint
+from parallel_utils import GenerationUntilFailure
+from server_utils import is_running
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import ConfigError, EngineConfig
@@ -150,42 +151,19 @@ def test_smollm2_split_matches_single_rank() -> None:
             llm.shutdown()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_killed_worker_fails_the_engine_quickly_and_leaves_no_process(tmp_path) -> None:
     save_tiny_checkpoint("llama3", str(tmp_path))
     llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
     executor = llm.llm_engine.engine_core.executor
     pids = [process.pid for process in executor.processes]
-    errors: list[BaseException] = []
-    finished = threading.Event()
-
-    def generate() -> None:
-        try:
-            while True:  # until the kill fails the engine
-                greedy(llm, make_prompts(4) * 50, max_tokens=100)
-        except BaseException as e:
-            errors.append(e)
-        finished.set()
-
-    thread = threading.Thread(target=generate)
-    thread.start()
+    generation = GenerationUntilFailure(lambda: greedy(llm, make_prompts(4) * 50, max_tokens=100))
     time.sleep(1.0)
-    killed_at = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
-    assert finished.wait(10), "the engine did not notice the dead worker within 10 s"
-    assert time.monotonic() - killed_at < 10
-    thread.join()
-    assert errors and isinstance(errors[0], EngineDeadError), errors
-    assert "rank 1" in str(errors[0].__cause__)
+    error = generation.wait(10)
+    assert isinstance(error, EngineDeadError), error
+    assert "rank 1" in str(error.__cause__)
     llm.shutdown()
-    assert not [pid for pid in pids if _alive(pid)], "a worker process outlived the engine"
+    assert not [pid for pid in pids if is_running(pid)], "a worker process outlived the engine"
 
 
 def test_model_must_split_evenly(tmp_path) -> None:
@@ -269,7 +247,7 @@ def test_server_with_a_killed_rank_reports_it_and_exits_cleanly(tmp_path) -> Non
     """`pagoda serve -tp 2`: serves, then a worker killed while idle ends the server (exit 1)
     within 10 s, /health turning 503 on the way, with no process left behind."""
     pytest.importorskip("fastapi")
-    from server_utils import RemoteServer, child_pids, is_running, wait_until
+    from server_utils import RemoteServer, child_pids, wait_until
 
     save_tiny_checkpoint("llama3", str(tmp_path))
     prompt = make_prompts(1)[0]

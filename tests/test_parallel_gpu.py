@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import random
 import signal
-import threading
 import time
 
 import pytest
 import torch
 from model_utils import save_tiny_checkpoint
+from parallel_utils import GenerationUntilFailure
+from server_utils import is_running
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.errors import EngineDeadError
@@ -110,38 +111,17 @@ def test_dummy_qwen3_split_matches_one_gpu(qwen3_reference, split) -> None:
             assert abs(first[token].logprob - first_ref[token].logprob) < tolerance
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs")
 def test_killed_rank_fails_the_engine_within_10_s(tiny) -> None:
     path, _ = tiny
     llm = LLM(path, dtype="float32", tensor_parallel_size=2, **ENGINE)
     pids = [process.pid for process in llm.llm_engine.engine_core.executor.processes]
-    errors: list[BaseException] = []
-    finished = threading.Event()
-
-    def generate() -> None:
-        try:
-            while True:  # until the kill fails the engine
-                run(llm, prompts() * 30, 200)
-        except BaseException as e:
-            errors.append(e)
-        finished.set()
-
-    thread = threading.Thread(target=generate)
-    thread.start()
+    generation = GenerationUntilFailure(lambda: run(llm, prompts() * 30, 200))
     time.sleep(2.0)
     os.kill(pids[1], signal.SIGKILL)
     killed_at = time.monotonic()
-    assert finished.wait(10), "the engine did not notice the dead rank within 10 s"
+    error = generation.wait(10)
     print(f"engine failed {time.monotonic() - killed_at:.2f} s after the kill")
-    thread.join()
-    assert errors and isinstance(errors[0], EngineDeadError), errors
+    assert isinstance(error, EngineDeadError), error
     llm.shutdown()
-    assert not [pid for pid in pids if _alive(pid)], "a worker process outlived the engine"
+    assert not [pid for pid in pids if is_running(pid)], "a worker process outlived the engine"

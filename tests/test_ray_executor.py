@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import random
 import sys
-import threading
 import time
 
 import pytest
@@ -20,6 +19,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from model_utils import save_tiny_checkpoint  # noqa: E402
+from parallel_utils import GenerationUntilFailure  # noqa: E402
 from ray.util import placement_group_table  # noqa: E402
 
 from pagoda import LLM, SamplingParams  # noqa: E402
@@ -86,28 +86,13 @@ def test_killed_actor_fails_the_engine_quickly(checkpoint) -> None:
     llm = LLM(path, tensor_parallel_size=2, **RAY)
     executor = llm.llm_engine.engine_core.executor
     assert executor.output_rank == 0
-    errors: list[BaseException] = []
-    finished = threading.Event()
-
-    def generate() -> None:
-        try:
-            greedy(llm, make_prompts(4) * 50, max_tokens=100)
-        except BaseException as e:
-            errors.append(e)
-        finished.set()
-
-    thread = threading.Thread(target=generate)
-    thread.start()
+    generation = GenerationUntilFailure(lambda: greedy(llm, make_prompts(4) * 50, max_tokens=100))
     time.sleep(1.0)
-    assert not finished.is_set(), "generation ended before the actor was killed"
-    killed_at = time.monotonic()
     ray.kill(executor.actors[1])
-    assert finished.wait(10), "the engine did not notice the dead actor within 10 s"
-    assert time.monotonic() - killed_at < 10
-    thread.join()
-    assert errors and isinstance(errors[0], EngineDeadError), errors
-    assert isinstance(errors[0].__cause__, WorkerFailedError)
-    assert "worker rank 1 died in execute_model" in str(errors[0].__cause__)
+    error = generation.wait(10)
+    assert isinstance(error, EngineDeadError), error
+    assert isinstance(error.__cause__, WorkerFailedError)
+    assert "worker rank 1 died in execute_model" in str(error.__cause__)
     llm.shutdown()
     assert not live_placement_groups()
 
