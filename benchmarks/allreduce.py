@@ -13,12 +13,13 @@ Run on a machine with >= 2 GPUs: python benchmarks/allreduce.py [--world-size N]
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from pagoda.distributed.parallel_state import free_port
 
 HIDDEN = 4096  # Llama-3.1-8B
 TOKENS = [1, 4, 16, 64, 256, 1024]
@@ -112,9 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--world-size", type=int, default=torch.cuda.device_count())
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.Manager().dict()
     mp.spawn(run, args=(args.world_size, port, results), nprocs=args.world_size)
     print(

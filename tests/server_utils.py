@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
+
+from pagoda.distributed.parallel_state import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_TIMEOUT_S = 240
@@ -24,12 +25,6 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     for word in words:
         assert word in error["message"], error
     return error
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def child_pids(pid: int) -> list[int]:

@@ -10,6 +10,7 @@ the identity.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -103,6 +104,13 @@ def init_distributed_environment(
     if one_shot_all_reduce and backend == "nccl" and tp_size > 1:
         one_shot = try_one_shot_all_reduce(tp_group, device)
     _STATE = ParallelState(tp_rank, tp_size, pp_rank, pp_size, tp_group, pp_group, pp_ranks, one_shot)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous (`distributed_init_method`) or a server."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def destroy_distributed_environment() -> None:

@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 
 import pagoda
 from pagoda.config import EngineConfig
+from pagoda.distributed.parallel_state import free_port
 from pagoda.engine.errors import WorkerFailedError
 from pagoda.executor.abstract import Executor
 from pagoda.executor.worker_proc import WorkerCall, WorkerInit, WorkerReply, send
@@ -40,12 +40,6 @@ WORKER_POLL_S = 0.2
 WORKER_MAIN = "from pagoda.executor.worker_proc import main; main()"
 # How long shutdown lets workers exit on their own before killing them.
 SHUTDOWN_GRACE_S = 5.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FutureModelRunnerOutput(AsyncModelRunnerOutput):

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagoda.config import ConfigError, EngineConfig
+from pagoda.distributed.parallel_state import free_port
 from pagoda.engine.errors import WorkerFailedError
 from pagoda.executor.abstract import Executor
-from pagoda.executor.multiproc import free_port
 from pagoda.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from pagoda.scheduler.output import SchedulerOutput
 
