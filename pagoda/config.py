@@ -1,13 +1,12 @@
 """Engine configuration: one dataclass per concern, gathered in `EngineConfig`.
 
-`EngineConfig.create(**kwargs)` is the single place where user settings (from `LLM(...)`
-or CLI flags) are checked and resolved against the model, so every later component can
-trust its config without re-validating.
+A leaf module: it imports nothing from pagoda (every layer imports it). Resolving user
+settings against the model (`pagoda.engine.arg_utils.create_engine_config`) lives in the
+engine, which may import the model loader.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,13 +18,10 @@ class ConfigError(ValueError):
     """An invalid engine setting; the message names the field and the limit."""
 
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+# What sampled-token logprobs report: the model's own distribution (raw), or the one sampled
+# from after penalties, bias, bans, temperature and truncation (processed; truncated tokens get
+# -inf), as log probabilities or as the logits themselves. The sampler implements each mode.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass
@@ -63,13 +59,11 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     # What sampled-token logprobs report: raw_logprobs, raw_logits, processed_logprobs or
-    # processed_logits (after penalties, temperature and truncation); see pagoda.sample.sampler.
+    # processed_logits (after penalties, temperature and truncation); see LOGPROBS_MODES.
     logprobs_mode: str = "raw_logprobs"
     hf_config: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        from pagoda.sample.sampler import LOGPROBS_MODES
-
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
@@ -231,99 +225,11 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 @dataclass
 class EngineConfig:
+    """Build one from user settings with `pagoda.engine.arg_utils.create_engine_config(**kwargs)`."""
+
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
-
-    @classmethod
-    def create(cls, **kwargs: Any) -> EngineConfig:
-        """Build from flat keyword arguments (the `LLM(...)` / CLI flag names)."""
-        from pagoda.model.loader import load_hf_config, resolve_model
-
-        groups = {
-            "model_config": ModelConfig,
-            "cache_config": CacheConfig,
-            "scheduler_config": SchedulerConfig,
-            "parallel_config": ParallelConfig,
-            "device_config": DeviceConfig,
-            "compilation_config": CompilationConfig,
-        }
-        split: dict[str, dict[str, Any]] = {name: {} for name in groups}
-        # Fields the engine derives (hf_config, the scheduler's copy of max_model_len) are not settable.
-        derived = {("model_config", "hf_config"), ("scheduler_config", "max_model_len")}
-        owners = {
-            f.name: name
-            for name, klass in groups.items()
-            for f in dataclasses.fields(klass)
-            if (name, f.name) not in derived
-        }
-        for key, value in kwargs.items():
-            if key not in owners:
-                raise ConfigError(f"unknown engine argument {key!r}")
-            split[owners[key]][key] = value
-
-        device_config = DeviceConfig(**split["device_config"])
-        model_config = ModelConfig(**split["model_config"])
-        model_config.model, model_config.load_format = resolve_model(model_config.model, model_config.load_format)
-        model_config.hf_config = load_hf_config(model_config.model, model_config.load_format)
-        model_config.dtype = _resolve_dtype(model_config.dtype, device_config)
-
-        limit = model_config.derived_max_model_len
-        if model_config.max_model_len is None:
-            model_config.max_model_len = limit
-        elif not 1 <= model_config.max_model_len <= limit:
-            raise ConfigError(
-                f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
-                f"got {model_config.max_model_len}"
-            )
-
-        scheduler_kwargs = split["scheduler_config"]
-        scheduler_kwargs["max_model_len"] = model_config.max_model_len
-        scheduler_config = SchedulerConfig(**scheduler_kwargs)
-        if scheduler_config.async_scheduling is None:
-            scheduler_config.async_scheduling = device_config.is_cuda
-        if scheduler_config.max_num_batched_tokens is None:
-            default_budget = 8192 if scheduler_config.enable_chunked_prefill else model_config.max_model_len
-            scheduler_config.max_num_batched_tokens = max(default_budget, scheduler_config.max_num_seqs)
-        if (
-            not scheduler_config.enable_chunked_prefill
-            and scheduler_config.max_num_batched_tokens < model_config.max_model_len
-        ):
-            raise ConfigError(
-                "max_num_batched_tokens must be >= max_model_len "
-                f"({model_config.max_model_len}) when chunked prefill is off, "
-                f"got {scheduler_config.max_num_batched_tokens}"
-            )
-        parallel_config = ParallelConfig(**split["parallel_config"])
-        parallel_config.check_model(model_config)
-        local_gpus = torch.cuda.device_count()
-        if (
-            device_config.is_cuda
-            and parallel_config.distributed_executor_backend == "mp"
-            and (parallel_config.world_size > local_gpus)
-        ):
-            raise ConfigError(
-                f"tensor_parallel_size x pipeline_parallel_size ({parallel_config.world_size}) must be <= "
-                f"the {local_gpus} visible CUDA devices with distributed_executor_backend 'mp'"
-            )
-        return cls(
-            model_config=model_config,
-            cache_config=CacheConfig(**split["cache_config"]),
-            scheduler_config=scheduler_config,
-            parallel_config=parallel_config,
-            device_config=device_config,
-            compilation_config=CompilationConfig(**split["compilation_config"]),
-        )
-
-
-def _resolve_dtype(dtype: str | torch.dtype, device_config: DeviceConfig) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device_config.is_cuda else torch.float32
-    if dtype not in _DTYPES:
-        raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]

@@ -20,6 +20,7 @@ from model_utils import save_tiny_checkpoint
 
 from pagoda import SamplingParams
 from pagoda.config import EngineConfig
+from pagoda.engine.arg_utils import create_engine_config
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.outputs import RequestOutput
 from pagoda.scheduler.request import RequestStatus
@@ -47,7 +48,7 @@ def make_config(model: str, **overrides) -> EngineConfig:
         "block_size": 8,
         "max_num_batched_tokens": 16,
     }
-    return EngineConfig.create(model=model, **{**kwargs, **overrides})
+    return create_engine_config(model=model, **{**kwargs, **overrides})
 
 
 def params(n: int, max_tokens: int = 40) -> SamplingParams:

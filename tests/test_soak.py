@@ -23,6 +23,7 @@ from conftest import smollm2_gguf_path
 
 from pagoda import SamplingParams
 from pagoda.config import EngineConfig
+from pagoda.engine.arg_utils import create_engine_config
 
 AsyncLLM = pytest.importorskip("pagoda.engine.async_llm").AsyncLLM  # needs pyzmq
 
@@ -71,7 +72,7 @@ class SoakResult:
 
 def soak_config(async_scheduling: bool) -> EngineConfig:
     # 40 blocks of 16 tokens for up to 64 sequences of up to ~50 tokens: they preempt each other.
-    return EngineConfig.create(
+    return create_engine_config(
         async_scheduling=async_scheduling,
         dtype="float32",
         device="cpu",

@@ -35,7 +35,8 @@ from pagoda.benchmarks.roofline import (
     model_shape,
     prefill_work,
 )
-from pagoda.config import ConfigError, EngineConfig
+from pagoda.config import ConfigError
+from pagoda.engine.arg_utils import create_engine_config
 
 # (prompts, output tokens) -> seconds for the whole batch to finish.
 GenerateFn = Callable[[list[list[int]], int], float]
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
     )
-    config = EngineConfig.create(model=args.model, **engine_kwargs)
+    config = create_engine_config(model=args.model, **engine_kwargs)
     model_config = config.model_config
     plan = make_plan(args, model_config.vocab_size, model_config.max_model_len, config.scheduler_config.max_num_seqs)
     engine_kwargs["max_num_batched_tokens"] = plan.chunk_size

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from pagoda.config import EngineConfig
+from pagoda.engine.arg_utils import create_engine_config
 from pagoda.engine.chat import Conversation, render_chat
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
@@ -22,7 +22,7 @@ class LLM:
     """Generate text offline. `LLM()` with no model serves SmolLM2-135M-Instruct (GGUF)."""
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.create(model=model, **engine_kwargs))
+        self.llm_engine = LLMEngine(create_engine_config(model=model, **engine_kwargs))
 
     def shutdown(self) -> None:
         """Stop the engine's workers (with tensor or pipeline parallelism, their processes) now,

@@ -7,15 +7,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagoda.config import LOGPROBS_MODES
 from pagoda.sample.logits_processing import process_logits
 from pagoda.sample.logprobs import LogprobsTensors, top_logprobs
 from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sample.ops import gumbel_max, inverse_temperature, truncation_cutoff
-
-# What logprobs report: the model's own distribution (raw), or the one sampled from after
-# penalties, bias, bans, temperature and truncation (processed; truncated tokens get -inf),
-# as log probabilities or as the logits themselves.
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagoda.config import EngineConfig
+from pagoda.engine.arg_utils import create_engine_config
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.core_client import EngineDeadError
 from pagoda.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -240,7 +241,7 @@ def build_app(
 
 
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
-    config = EngineConfig.create(
+    config = create_engine_config(
         model=args.model,
         max_num_queued_requests=args.max_num_queued_requests,
         enable_sleep_mode=args.enable_sleep_mode,

@@ -10,7 +10,7 @@ from pagoda.model.registry import get_model_class
 
 def load_hf_config(model: str, load_format: str) -> PretrainedConfig:
     """Config of a resolved model (see `resolve_model`); ConfigError for an unsupported architecture,
-    so that `EngineConfig.create` fails before anything is loaded."""
+    so that `create_engine_config` fails before anything is loaded."""
     if load_format == "gguf":
         from pagoda.model.loader.gguf_loader import read_gguf_config
 

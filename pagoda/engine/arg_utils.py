@@ -1,0 +1,123 @@
+"""Engine arguments: flat user settings resolved against the model into an `EngineConfig`.
+
+`create_engine_config(**kwargs)` is the single place where user settings (from `LLM(...)`
+or CLI flags) are checked and resolved against the model (its path, load format, HF config),
+so every later component can trust its config without re-validating. It lives here, not in
+`pagoda.config`, so that the config dataclasses stay a leaf module that imports nothing from
+pagoda (the model loader imports the config; the config must not import the loader).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from pagoda.config import (
+    CacheConfig,
+    CompilationConfig,
+    ConfigError,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from pagoda.model.loader import load_hf_config, resolve_model
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def create_engine_config(**kwargs: Any) -> EngineConfig:
+    """Build from flat keyword arguments (the `LLM(...)` / CLI flag names)."""
+    groups = {
+        "model_config": ModelConfig,
+        "cache_config": CacheConfig,
+        "scheduler_config": SchedulerConfig,
+        "parallel_config": ParallelConfig,
+        "device_config": DeviceConfig,
+        "compilation_config": CompilationConfig,
+    }
+    split: dict[str, dict[str, Any]] = {name: {} for name in groups}
+    # Fields the engine derives (hf_config, the scheduler's copy of max_model_len) are not settable.
+    derived = {("model_config", "hf_config"), ("scheduler_config", "max_model_len")}
+    owners = {
+        f.name: name
+        for name, klass in groups.items()
+        for f in dataclasses.fields(klass)
+        if (name, f.name) not in derived
+    }
+    for key, value in kwargs.items():
+        if key not in owners:
+            raise ConfigError(f"unknown engine argument {key!r}")
+        split[owners[key]][key] = value
+
+    device_config = DeviceConfig(**split["device_config"])
+    model_config = ModelConfig(**split["model_config"])
+    model_config.model, model_config.load_format = resolve_model(model_config.model, model_config.load_format)
+    model_config.hf_config = load_hf_config(model_config.model, model_config.load_format)
+    model_config.dtype = _resolve_dtype(model_config.dtype, device_config)
+
+    limit = model_config.derived_max_model_len
+    if model_config.max_model_len is None:
+        model_config.max_model_len = limit
+    elif not 1 <= model_config.max_model_len <= limit:
+        raise ConfigError(
+            f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
+            f"got {model_config.max_model_len}"
+        )
+
+    scheduler_kwargs = split["scheduler_config"]
+    scheduler_kwargs["max_model_len"] = model_config.max_model_len
+    scheduler_config = SchedulerConfig(**scheduler_kwargs)
+    if scheduler_config.async_scheduling is None:
+        scheduler_config.async_scheduling = device_config.is_cuda
+    if scheduler_config.max_num_batched_tokens is None:
+        default_budget = 8192 if scheduler_config.enable_chunked_prefill else model_config.max_model_len
+        scheduler_config.max_num_batched_tokens = max(default_budget, scheduler_config.max_num_seqs)
+    if (
+        not scheduler_config.enable_chunked_prefill
+        and scheduler_config.max_num_batched_tokens < model_config.max_model_len
+    ):
+        raise ConfigError(
+            "max_num_batched_tokens must be >= max_model_len "
+            f"({model_config.max_model_len}) when chunked prefill is off, "
+            f"got {scheduler_config.max_num_batched_tokens}"
+        )
+    parallel_config = ParallelConfig(**split["parallel_config"])
+    parallel_config.check_model(model_config)
+    local_gpus = torch.cuda.device_count()
+    if (
+        device_config.is_cuda
+        and parallel_config.distributed_executor_backend == "mp"
+        and (parallel_config.world_size > local_gpus)
+    ):
+        raise ConfigError(
+            f"tensor_parallel_size x pipeline_parallel_size ({parallel_config.world_size}) must be <= "
+            f"the {local_gpus} visible CUDA devices with distributed_executor_backend 'mp'"
+        )
+    return EngineConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(**split["cache_config"]),
+        scheduler_config=scheduler_config,
+        parallel_config=parallel_config,
+        device_config=device_config,
+        compilation_config=CompilationConfig(**split["compilation_config"]),
+    )
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device_config: DeviceConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device_config.is_cuda else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
