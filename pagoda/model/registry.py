@@ -1,19 +1,23 @@
-"""Which model class serves which HF architecture name."""
+"""Which model class serves which HF architecture name.
+
+Classes are named as "module:attribute" and imported only when a config asks for them, so
+listing the supported architectures (or serving one family) imports no other family.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 from torch import nn
 from transformers import PretrainedConfig
 
 from pagoda.config import ConfigError
-from pagoda.model.models.llama import LlamaForCausalLM, MistralForCausalLM
-from pagoda.model.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
-_MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+_MODEL_CLASSES: dict[str, str] = {
+    "LlamaForCausalLM": "pagoda.model.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "pagoda.model.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "pagoda.model.models.qwen:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "pagoda.model.models.qwen:Qwen3ForCausalLM",
 }
 
 # For configs that name no architecture (saved from a bare config object): HF model_type -> name.
@@ -37,6 +41,7 @@ def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
     candidates = architectures or [ARCHITECTURE_OF_MODEL_TYPE.get(model_type)]
     for architecture in candidates:
         if architecture in _MODEL_CLASSES:
-            return _MODEL_CLASSES[architecture]
+            module, attr = _MODEL_CLASSES[architecture].split(":")
+            return getattr(importlib.import_module(module), attr)
     named = f"architecture {architectures}" if architectures else f"model_type {model_type!r}"
     raise ConfigError(f"model: {named} is not supported; supported architectures: {supported_architectures()}")
