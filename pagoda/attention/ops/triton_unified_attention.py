@@ -5,6 +5,14 @@ query tokens times every query head of that KV head's group (GQA), BLOCK_M rows 
 KV tile is read once for the whole group. Scores are causal inside the request's query chunk,
 which sits after a cached prefix of any length, and an online softmax runs in float32.
 
+Sliding window (SLIDING_WINDOW = W > 0, per layer): the query at position p sees only keys k with
+p - W < k <= p, as Hugging Face's `kv_idx > q_idx - sliding_window`. A program starts its key
+loop at the window start of its first query, so a decode reads about W keys whatever the context
+length, and keys before that start are never loaded: their blocks may be the null block.
+Soft-capping (USE_SOFTCAP, Gemma 2's attn_logit_softcapping): each score becomes
+cap * tanh(q.k * scale / cap) before the softmax. Both are launch constants, so full attention
+without a cap compiles to the same kernel as before.
+
 Split-K (flash decoding): with NUM_SPLITS > 1 each query tile's KV range is cut into NUM_SPLITS
 parts handled by separate programs, which write normalized partial outputs and log-sum-exps into
 a workspace; `_merge_splits_kernel` combines them. This fills the GPU when few long requests
@@ -46,6 +54,8 @@ class TileConfig:
     num_stages: int
 
 
+LOG2_E = math.log2(math.e)
+
 # Decode tiles hold one token's group; prefill tiles hold many tokens, so each KV tile loaded
 # serves more queries.
 DECODE_TILES = TileConfig(min_rows=16, tile_n=64, num_warps=4, num_stages=2)
@@ -82,7 +92,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     num_reqs,
-    scale_log2,
+    qk_scale,
+    softcap_log2,
     stride_query_token,
     stride_query_head,
     stride_out_token,
@@ -100,8 +111,13 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """Scores are q.k * qk_scale, in the log2 domain. With USE_SOFTCAP, qk_scale is
+    2 * log2(e) * scale / cap and softcap_log2 is cap * log2(e), so that the capped score
+    cap * tanh(x) * log2(e), x = q.k * scale / cap, costs one exp2 (see below)."""
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -132,12 +148,18 @@ def _paged_attention_kernel(
         other=0.0,
     )
 
-    # Keys visible to the tile's last query, cut into this split's share of TILE_N-key tiles.
+    # Keys from the window start of the tile's first query (key 0 without a window) to the last
+    # query's own key, cut into this split's share of TILE_N-key tiles.
     kv_len = context_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, query_len)
-    num_tiles = tl.cdiv(kv_len, TILE_N)
+    if SLIDING_WINDOW > 0:
+        key_lo = tl.maximum(context_len + q_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+        tile_start = key_lo // TILE_N
+    else:
+        tile_start = 0
+    num_tiles = tl.cdiv(kv_len, TILE_N) - tile_start
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo = tile_start + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, tile_start + num_tiles)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -147,6 +169,8 @@ def _paged_attention_kernel(
     for t in range(tile_lo, tile_hi):
         key_pos = t * TILE_N + keys
         key_valid = key_pos < kv_len
+        if SLIDING_WINDOW > 0:
+            key_valid &= key_pos >= key_lo
         block = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         kv_offset = (
             block[:, None] * stride_cache_block
@@ -158,8 +182,15 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(key_pos[None, :] <= last_key[:, None], s, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if USE_SOFTCAP:
+            # cap * tanh(x) = cap - 2 * cap / (1 + e^(2x)), here s = 2x * log2(e). The interpreter has
+            # no tanh, and this form needs no sign handling: e^(2x) = inf gives +cap, 0 gives -cap.
+            s = softcap_log2 - 2.0 * softcap_log2 / (1.0 + tl.exp2(s))
+        visible = key_pos[None, :] <= last_key[:, None]
+        if SLIDING_WINDOW > 0:
+            visible &= key_pos[None, :] > last_key[:, None] - SLIDING_WINDOW
+        s = tl.where(visible, s, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(s, 1))
         # A row with no visible key yet keeps its max at -inf; subtract 0 there instead of -inf.
         ref_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -202,7 +233,9 @@ def _merge_splits_kernel(
     part = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, HEAD_SIZE_PADDED)
     dim_valid = dims < HEAD_SIZE
-    # Split 0 always holds key 0, visible to every query, so the maximum is finite.
+    # A split may see no key of a row (a window, or a share past the row's own key): its lse is
+    # -inf, its partial output 0, so its weight is 0. The row's own key lies in some split, so the
+    # maximum is finite and no weight is NaN.
     lse = tl.load(partial_lse_ptr + part)
     weight = tl.exp2(lse - tl.max(lse, 0))
     partial = tl.load(partial_out_ptr + part[:, None] * HEAD_SIZE_PADDED + dims[None, :], mask=dim_valid[None, :])
@@ -269,13 +302,18 @@ def unified_attention(
     out: torch.Tensor,
     num_splits: int = 1,
     workspace: SplitKWorkspace | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """out[t] = causal paged attention of query[t] [T, H, D] over kv_cache [2, blocks, block_size, Hkv, D].
 
     Reads metadata.query_start_loc, seq_lens and block_table on the device, and the host ints
     num_reqs and max_query_len (the latter picks the tile shape). Rows of `out` for tokens past
     query_start_loc[num_reqs] (padding) are left untouched. num_splits > 1 needs a workspace
-    with room for T * num_splits rows.
+    with room for T * num_splits rows. sliding_window W (None or 0: off) lets position p see
+    keys p - W < k <= p only; block-table entries wholly before a request's first query's window
+    are never read. logits_soft_cap c (None or 0: off) maps each score s to c * tanh(s / c).
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[-2]
@@ -287,8 +325,15 @@ def unified_attention(
         raise ValueError(
             f"num_splits={num_splits} for [{num_tokens}, {num_heads}, {head_size}] needs a larger SplitKWorkspace"
         )
+    if sliding_window is not None and sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0 = off), got {sliding_window}")
+    if logits_soft_cap is not None and logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap must be >= 0 (0 = off), got {logits_soft_cap}")
     if num_tokens == 0 or metadata.num_reqs == 0:
         return
+    use_softcap = bool(logits_soft_cap)
+    qk_scale = 2.0 * LOG2_E * scale / logits_soft_cap if use_softcap else scale * LOG2_E
+    softcap_log2 = logits_soft_cap * LOG2_E if use_softcap else 0.0
     group = num_heads // num_kv_heads
     tiles = DECODE_TILES if metadata.max_query_len <= 1 else PREFILL_TILES
     block_m = max(tiles.min_rows, triton.next_power_of_2(group))
@@ -311,7 +356,8 @@ def unified_attention(
         metadata.seq_lens,
         metadata.query_start_loc,
         metadata.num_reqs,
-        scale * math.log2(math.e),
+        qk_scale,
+        softcap_log2,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -329,6 +375,8 @@ def unified_attention(
         BLOCK_M=block_m,
         TILE_N=tile_n,
         NUM_SPLITS=num_splits,
+        SLIDING_WINDOW=sliding_window or 0,
+        USE_SOFTCAP=use_softcap,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
