@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
+from pagoda.attention.backends import AttentionBackend
+from pagoda.attention.layer import Attention
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.forward_context import ForwardContext
 
 
 def build_attn_metadata(
@@ -45,13 +48,21 @@ def build_attn_metadata(
 
 
 def allocate_kv_caches(
-    hf_config, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
-) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_size] tensor per layer."""
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    shape = (2, num_blocks, block_size, num_kv_heads, head_size)
-    return [torch.zeros(shape, dtype=dtype) for _ in range(hf_config.num_hidden_layers)]
+    model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_size] tensor per attention layer, by name."""
+    return {
+        module.layer_name: torch.zeros(
+            AttentionBackend.get_kv_cache_shape(num_blocks, module.get_kv_cache_spec(block_size, dtype)), dtype=dtype
+        )
+        for module in model.modules()
+        if isinstance(module, Attention)
+    }
+
+
+def forward_context(metadata: AttentionMetadata, kv_caches: dict[str, torch.Tensor]) -> ForwardContext:
+    """Every layer reads the same metadata (one KV-cache group: no layer slides out of its blocks)."""
+    return ForwardContext(attn_metadata=dict.fromkeys(kv_caches, metadata), kv_caches=kv_caches)
 
 
 def hf_named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from model_utils import TINY_CONFIGS, allocate_kv_caches, build_attn_metadata, randomize_
+from model_utils import TINY_CONFIGS, allocate_kv_caches, build_attn_metadata, forward_context, randomize_
 
 pytest.importorskip("triton")  # conftest.py turns on its interpreter when there is no GPU
 
@@ -189,7 +189,7 @@ def test_layers_pick_the_torch_ops_off_cuda() -> None:
 def tiny_model(name: str, dtype: torch.dtype) -> torch.nn.Module:
     model_class = {"qwen3": Qwen3ForCausalLM, "llama3": LlamaForCausalLM}[name]
     torch.manual_seed(1234)
-    model = model_class(TINY_CONFIGS[name], TorchAttentionBackend()).to(device=DEVICE, dtype=dtype)
+    model = model_class(TINY_CONFIGS[name], TorchAttentionBackend).to(device=DEVICE, dtype=dtype)
     randomize_(model)
     return model.eval()
 
@@ -200,10 +200,14 @@ def tiny_model_logits(model: torch.nn.Module, dtype: torch.dtype) -> torch.Tenso
     metadata, positions = build_attn_metadata([9, 8, 1], [9, 14, 5], [[7, 2, 5], [1, 9, 4, 6], [3, 8]], 4)
     device_tensors = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
     metadata = dataclasses.replace(metadata, **{name: getattr(metadata, name).to(DEVICE) for name in device_tensors})
-    kv_caches = [c.to(DEVICE) for c in allocate_kv_caches(model.config, num_blocks=10, block_size=4, dtype=dtype)]
+    kv_caches = {
+        name: c.to(DEVICE) for name, c in allocate_kv_caches(model, num_blocks=10, block_size=4, dtype=dtype).items()
+    }
     tokens = torch.randint(0, model.config.vocab_size, (18,), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        return model.compute_logits(model(tokens.to(DEVICE), positions.to(DEVICE), kv_caches, metadata))
+        return model.compute_logits(
+            model(tokens.to(DEVICE), positions.to(DEVICE), forward_context(metadata, kv_caches))
+        )
 
 
 @pytest.fixture

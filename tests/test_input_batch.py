@@ -9,11 +9,12 @@ import torch
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.input_batch import CachedRequestState, InputBatch
 
-MAX_REQS, MAX_LEN, MAX_BLOCKS, VOCAB = 8, 64, 16, 1000
+# Two KV-cache groups of different block sizes: each row keeps a block list per group.
+MAX_REQS, MAX_LEN, BLOCK_SIZES, VOCAB = 8, 64, [4, 16], 1000
 
 
 def make_batch() -> InputBatch:
-    return InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, VOCAB, torch.device("cpu"), pin_memory=False)
+    return InputBatch(MAX_REQS, MAX_LEN, BLOCK_SIZES, VOCAB, torch.device("cpu"), pin_memory=False)
 
 
 def make_state(i: int, rng: np.random.Generator) -> CachedRequestState:
@@ -26,7 +27,7 @@ def make_state(i: int, rng: np.random.Generator) -> CachedRequestState:
             temperature=float(rng.choice([0.0, 0.7, 1.3])), top_p=float(rng.uniform(0.1, 1.0))
         ),
         seed=int(rng.integers(0, 2**40)),
-        block_ids=(rng.integers(1, 100, int(rng.integers(1, 5))).tolist(),),
+        block_ids=tuple(rng.integers(1, 100, int(rng.integers(1, 5))).tolist() for _ in BLOCK_SIZES),
         num_computed_tokens=prompt_len,
         output_token_ids=rng.integers(0, 1000, output_len).tolist(),
     )
@@ -122,8 +123,11 @@ def test_block_table_device_mirror_follows_changes() -> None:
     batch = make_batch()
     for i in range(3):
         batch.add_request(make_state(i, rng))
-    batch.block_table.append_row([42, 43], 1)
-    device_table = batch.block_table.commit(batch.num_reqs)
-    for row in range(3):
-        ids = batch.block_table.row(row)
-        assert device_table[row, : len(ids)].tolist() == ids
+    batch.block_table.append_row(([42, 43], [44]), 1)
+    for group, table in enumerate(batch.block_table.tables):
+        device_table = table.commit(batch.num_reqs)
+        for row in range(3):
+            ids = table.row(row)
+            assert device_table[row, : len(ids)].tolist() == ids
+            assert ids == batch.block_table.row(row)[group]
+    assert batch.block_table.row(1)[0][-2:] == [42, 43] and batch.block_table.row(1)[1][-1] == 44

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import smollm2_gguf_path
-from model_utils import allocate_kv_caches, build_attn_metadata, hf_named_weights
+from model_utils import allocate_kv_caches, build_attn_metadata, forward_context, hf_named_weights
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen3Config
 
@@ -65,9 +65,9 @@ def _prefill_logits(model: torch.nn.Module, token_ids: torch.Tensor, block_size:
     num_tokens = len(token_ids)
     num_blocks = -(-num_tokens // block_size)
     metadata, positions = build_attn_metadata([num_tokens], [num_tokens], [list(range(1, num_blocks + 1))], block_size)
-    kv_caches = allocate_kv_caches(model.config, num_blocks + 1, block_size)
+    kv_caches = allocate_kv_caches(model, num_blocks + 1, block_size)
     with torch.no_grad():
-        return model.compute_logits(model(token_ids, positions, kv_caches, metadata))
+        return model.compute_logits(model(token_ids, positions, forward_context(metadata, kv_caches)))
 
 
 def _save_config(path, config) -> str:

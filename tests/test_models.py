@@ -11,7 +11,14 @@ import os
 
 import pytest
 import torch
-from model_utils import TINY_CONFIGS, VOCAB, allocate_kv_caches, build_attn_metadata, save_tiny_checkpoint
+from model_utils import (
+    TINY_CONFIGS,
+    VOCAB,
+    allocate_kv_caches,
+    build_attn_metadata,
+    forward_context,
+    save_tiny_checkpoint,
+)
 
 from pagoda.attention.backends import get_attention_backend
 from pagoda.config import ModelConfig
@@ -55,13 +62,13 @@ def _hf_logits(hf_model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tens
 def _run_step(model, kv_caches, token_ids, query_lens, seq_lens, block_tables) -> torch.Tensor:
     metadata, positions = build_attn_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE)
     with torch.no_grad():
-        return model.compute_logits(model(token_ids, positions, kv_caches, metadata))
+        return model.compute_logits(model(token_ids, positions, forward_context(metadata, kv_caches)))
 
 
 def test_full_prefill_matches_hf(checkpoint, our_model):
     _, hf_model = checkpoint
     tokens = torch.randint(0, VOCAB, (21,))
-    kv_caches = allocate_kv_caches(hf_model.config, num_blocks=10, block_size=BLOCK_SIZE)
+    kv_caches = allocate_kv_caches(our_model, num_blocks=10, block_size=BLOCK_SIZE)
     ours = _run_step(our_model, kv_caches, tokens, [21], [21], [[3, 1, 8, 2, 6, 9]])
     ref = _hf_logits(hf_model, tokens)
     assert ours.dtype == torch.float32 and ours.shape == (21, VOCAB)
@@ -77,7 +84,7 @@ def test_chunked_prefill_and_decode_in_mixed_batches_match_hf(checkpoint, our_mo
     _, hf_model = checkpoint
     tokens_a, tokens_b = torch.randint(0, VOCAB, (10,)), torch.randint(0, VOCAB, (14,))
     blocks_a, blocks_b = [7, 2, 5], [1, 9, 4, 6]
-    kv_caches = allocate_kv_caches(hf_model.config, num_blocks=10, block_size=BLOCK_SIZE)
+    kv_caches = allocate_kv_caches(our_model, num_blocks=10, block_size=BLOCK_SIZE)
 
     step1 = _run_step(
         our_model, kv_caches, torch.cat([tokens_a[:9], tokens_b[:6]]), [9, 6], [9, 6], [blocks_a, blocks_b]

@@ -204,12 +204,10 @@ def parallel_state():
 
 
 def _dummy_model(config, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> torch.nn.Module:
-    from pagoda.attention.backends import AttentionShape, get_attention_backend
+    from pagoda.attention.backends import get_attention_backend
 
     init_parallel_state(tp_rank, tp_size, pp_rank, pp_size)
-    num_kv_heads = config.num_key_value_heads
-    shape = AttentionShape(config.num_attention_heads, num_kv_heads, 16, 4, 128)
-    model = get_model_class(config)(config, get_attention_backend("torch", shape, torch.device("cpu")))
+    model = get_model_class(config)(config, get_attention_backend("torch"))
     init_dummy_weights(model, seed=3)
     return model
 

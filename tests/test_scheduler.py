@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
+from kv_cache_utils import kv_cache_config
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput
@@ -226,7 +227,12 @@ def make_harness() -> Iterator[Callable[..., Harness]]:
             max_model_len=max_model_len,
         )
         cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
-        scheduler = Scheduler(config, cache_config, num_blocks, pipeline_parallel=pipeline_parallel)
+        scheduler = Scheduler(
+            config,
+            cache_config,
+            kv_cache_config(num_blocks, cache_config.block_size),
+            pipeline_parallel=pipeline_parallel,
+        )
         harness = Harness(scheduler, FakeRunner(max_model_len, token_fn), config)
         harnesses.append(harness)
         return harness
@@ -280,7 +286,7 @@ def test_chunked_prefill_on_splits_what_does_not_fit(make_harness) -> None:
 def test_chunked_prefill_off_needs_a_budget_of_max_model_len() -> None:
     config = SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False, max_model_len=32)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        Scheduler(config, CacheConfig(block_size=BLOCK_SIZE), 64)
+        Scheduler(config, CacheConfig(block_size=BLOCK_SIZE), kv_cache_config(64, BLOCK_SIZE))
 
 
 def test_max_num_seqs_and_fcfs_order(make_harness) -> None:

@@ -1,4 +1,8 @@
-"""The attention layer models call: projects nothing, only routes to the chosen backend."""
+"""The attention layer models call: projects nothing, declares its KV cache, routes to its backend.
+
+Each layer is built with its name (the module path, e.g. "model.layers.3.self_attn.attn"),
+which keys its cache view and metadata in the step's `ForwardContext` and its `KVCacheSpec`.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,21 @@ import torch
 from torch import nn
 
 from pagoda.attention.backends import AttentionBackend
-from pagoda.attention.metadata import AttentionMetadata
+from pagoda.forward_context import ForwardContext
+from pagoda.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 
 class Attention(nn.Module):
     def __init__(
-        self, num_heads: int, head_size: int, num_kv_heads: int, scale: float, backend: AttentionBackend
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        backend: type[AttentionBackend],
+        layer_name: str,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -19,25 +32,26 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
-        self.scale = scale
+        self.layer_name = layer_name
         self.backend = backend
+        self.sliding_window = sliding_window or None
+        self.impl = backend.get_impl_cls()(
+            num_heads, head_size, num_kv_heads, scale, self.sliding_window, logits_soft_cap or None
+        )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> AttentionSpec:
+        if self.sliding_window is not None:
+            return SlidingWindowSpec(block_size, self.num_kv_heads, self.head_size, dtype, self.sliding_window)
+        return FullAttentionSpec(block_size, self.num_kv_heads, self.head_size, dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]."""
         num_tokens = q.shape[0]
-        out = self.backend.forward(
+        out = self.impl.forward(
             q.view(num_tokens, self.num_heads, self.head_size),
             k.view(num_tokens, self.num_kv_heads, self.head_size),
             v.view(num_tokens, self.num_kv_heads, self.head_size),
-            kv_cache,
-            attn_metadata,
-            self.scale,
+            context.kv_caches[self.layer_name],
+            context.attn_metadata[self.layer_name],
         )
         return out.reshape(num_tokens, self.num_heads * self.head_size)

@@ -23,11 +23,12 @@ from collections.abc import Iterable
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.engine.errors import EngineSleepingError
 from pagoda.executor.abstract import Executor
-from pagoda.outputs import AsyncModelRunnerOutput, EngineCoreOutput, ModelRunnerOutput
+from pagoda.outputs import AsyncModelRunnerOutput, EngineCoreOutput, ModelRunnerOutput, RequestStatus
 from pagoda.scheduler.output import SchedulerOutput
-from pagoda.scheduler.request import Request, RequestStatus
+from pagoda.scheduler.request import Request
 from pagoda.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -37,11 +38,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
         self.executor = (executor_class or Executor.get_class(config))(config)
-        num_blocks = self.executor.determine_num_kv_blocks()
-        self.executor.initialize_kv_cache(num_blocks)
+        kv_cache_configs = self.executor.determine_kv_cache_configs()
+        self.executor.initialize_kv_cache(kv_cache_configs)
         pp_size = config.parallel_config.pipeline_parallel_size
+        # Every rank has the same groups and blocks (only its layers differ): any rank's layout will do.
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, num_blocks, pipeline_parallel=pp_size > 1
+            config.scheduler_config, config.cache_config, kv_cache_configs[0], pipeline_parallel=pp_size > 1
         )
         # One batch per pipeline stage in flight, so that no stage waits for another.
         self.batch_queue_size = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)
@@ -49,13 +51,14 @@ class EngineCore:
         # The executor's released memory tags, kept here so that every step need not ask.
         self.sleeping_tags: list[str] = []
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request from the front end; the core builds its own scheduler `Request` from it."""
         if self.sleeping_tags:
             raise EngineSleepingError(
                 f"the engine is sleeping ({', '.join(self.sleeping_tags)} released): "
                 f"call wake_up before adding request {request.request_id!r}"
             )
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.kv_cache_interface import KVCacheConfig, get_kv_cache_config
 from pagoda.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from pagoda.scheduler.output import SchedulerOutput
 
@@ -53,35 +54,53 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Release the workers and their devices."""
 
-    def determine_num_kv_blocks(self) -> int:
-        """Profile the workers and size the KV pool: every rank holds the same blocks (for its
-        own heads and layers), so the rank with the least room decides."""
-        block_bytes = max(self.collective_rpc("get_kv_cache_block_bytes"))
+    def determine_kv_cache_configs(self) -> list[KVCacheConfig]:
+        """Profile the workers and lay out each rank's KV cache (rank order).
+
+        Every rank declares the specs of its own layers; all ranks must form the same groups
+        (the scheduler keeps one block table per group for all of them) and get the same
+        number of blocks, so the rank with the least room decides.
+        """
+        specs = self.collective_rpc("get_kv_cache_spec")
         requested = self.config.cache_config.num_gpu_blocks
-        if requested is not None:
-            return requested
-        num_blocks = min(self.collective_rpc("determine_available_memory")) // block_bytes
-        block_size = self.config.cache_config.block_size
-        max_model_len = self.config.model_config.max_model_len
-        if (num_blocks - 1) * block_size < max_model_len:
+        if requested is None:
+            available = min(self.collective_rpc("determine_available_memory"))
+            requested = min(get_kv_cache_config(rank_specs, available).num_blocks for rank_specs in specs)
+        configs = [get_kv_cache_config(rank_specs, 0, requested) for rank_specs in specs]
+        if any(config.group_specs != configs[0].group_specs for config in configs):
             raise RuntimeError(
-                f"the KV cache holds {max(num_blocks - 1, 0) * block_size} tokens, fewer than max_model_len "
-                f"({max_model_len}); lower max_model_len or give the cache more memory"
+                "pipeline stages form different KV-cache groups "
+                f"({[len(config.kv_cache_groups) for config in configs]} groups per rank): "
+                "choose another pipeline_parallel_size"
+            )
+        self._check_kv_cache_fits(configs[0])
+        for line in configs[0].describe():
+            logger.info("KV cache %s", line)
+        return configs
+
+    def _check_kv_cache_fits(self, config: KVCacheConfig) -> None:
+        """One request of max_model_len tokens must fit in the pool."""
+        max_model_len = self.config.model_config.max_model_len
+        chunk = self.config.scheduler_config.max_num_batched_tokens or max_model_len
+        needed = config.max_blocks_per_request(max_model_len, chunk)
+        if config.num_blocks - 1 < needed:
+            raise RuntimeError(
+                f"the KV cache has {max(config.num_blocks - 1, 0)} blocks, fewer than the {needed} that one request "
+                f"of max_model_len ({max_model_len}) tokens needs; lower max_model_len or give the cache more memory"
             )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB each per rank), %d tokens in all: %.1f requests of "
-            "max_model_len %d",
-            num_blocks,
-            block_size,
-            block_bytes / 2**20,
-            (num_blocks - 1) * block_size,
-            (num_blocks - 1) * block_size / max_model_len,
+            "KV cache: %d blocks of %d bytes per layer and rank, %d KV-cache groups; "
+            "%.1f requests of max_model_len %d fit",
+            config.num_blocks,
+            config.kv_cache_tensors[0].size_bytes // config.num_blocks,
+            len(config.kv_cache_groups),
+            (config.num_blocks - 1) / needed,
             max_model_len,
         )
-        return num_blocks
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", num_blocks)
+    def initialize_kv_cache(self, kv_cache_configs: list[KVCacheConfig]) -> None:
+        """Each rank allocates its own cache, then captures its CUDA graphs over it."""
+        self.collective_rpc("initialize_from_config", kv_cache_configs)
         self.collective_rpc("compile_or_warm_up_model")
 
     def sleep(self, level: int) -> None:

@@ -131,8 +131,11 @@ class BlockPool:
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Add a reference to each block (prefix-cache hits), taking free ones out of the queue."""
+        """Add a reference to each block (prefix-cache hits), taking free ones out of the queue;
+        the null block (where a sliding window let blocks go) is nobody's."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self._free_queue.remove(block)
             block.ref_cnt += 1

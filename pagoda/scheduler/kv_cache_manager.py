@@ -1,22 +1,37 @@
-"""`KVCacheManager`: which KV blocks each request holds, and the prefix cache over them.
+"""`KVCacheManager`: which KV blocks each request holds in every KV-cache group, and the prefix
+cache over them.
+
+It coordinates one `SingleTypeKVCacheManager` per group of the `KVCacheConfig` (full attention,
+sliding window, ...) over one shared `BlockPool`: an allocation succeeds for all groups or
+changes nothing, a prefix-cache hit is the longest prefix every group can resume from, and
+freeing, caching and the idle check run per group.
 
 A block hash is sha256 over a canonical byte encoding of (parent hash, the block's token
 ids, extra keys), so equal hashes mean equal prefixes; the request's `cache_salt` is an
-extra key, so tenants with different salts never share blocks. Only full blocks are
-hashed, and a block is registered in the cache only once its tokens have been computed.
+extra key, so tenants with different salts never share blocks. Requests are hashed in blocks
+of `hash_block_size` tokens (the gcd of the groups' block sizes); a group with larger blocks
+keys its block by the hash that ends at the block's last token. Only full blocks are hashed,
+and a block is registered in the cache only once its tokens have been computed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from collections.abc import Sequence
 
+from pagoda.kv_cache_interface import KVCacheConfig
 from pagoda.scheduler.block_pool import BlockHash, BlockPool, KVCacheBlock
+from pagoda.scheduler.output import BlockIds
 from pagoda.scheduler.request import Request
+from pagoda.scheduler.single_type_kv_cache_manager import SingleTypeKVCacheManager, make_manager
 
 # Parent hash of a request's first block.
 ROOT_BLOCK_HASH: BlockHash = hashlib.sha256(b"pagoda-prefix-cache-root").digest()
+
+# Prefix-cache hits per group, as `get_computed_blocks` returns them.
+GroupBlocks = tuple[list[KVCacheBlock], ...]
 
 
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b"") -> BlockHash:
@@ -32,21 +47,26 @@ def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int], extra_ke
     return hashlib.sha256(payload).digest()
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(a // -b)
-
-
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
-        self.block_size = block_size
+    def __init__(self, kv_cache_config: KVCacheConfig, enable_caching: bool = True) -> None:
+        self.kv_cache_config = kv_cache_config
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks)
-        self._req_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request are registered in the prefix cache.
-        self._num_cached_blocks: dict[str, int] = {}
+        self.block_pool = BlockPool(kv_cache_config.num_blocks)
+        block_sizes = kv_cache_config.block_sizes
+        self.hash_block_size = math.gcd(*block_sizes)
+        # Hits must end where every group's blocks end.
+        self.hit_alignment = math.lcm(*block_sizes)
+        self.managers: list[SingleTypeKVCacheManager] = [
+            make_manager(group.kv_cache_spec, self.block_pool, gid, self.hash_block_size, enable_caching)
+            for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+        ]
         # Prefix-cache lookups, in tokens, counted once per admission of a request.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
 
     @property
     def usage(self) -> float:
@@ -56,96 +76,104 @@ class KVCacheManager:
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return _cdiv(num_tokens, self.block_size)
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        """Pool blocks one request of up to `num_tokens` tokens, computed in chunks of at most
+        `max_chunk` tokens, may hold at once across all groups."""
+        return self.kv_cache_config.max_blocks_per_request(num_tokens, max_chunk)
 
     def update_block_hashes(self, request: Request) -> None:
         """Hash the request's full blocks that have no hash yet (call after tokens arrive)."""
         if not self.enable_caching:
             return
         hashes = request.block_hashes
-        num_full = request.num_tokens // self.block_size
+        size = self.hash_block_size
+        num_full = request.num_tokens // size
         if len(hashes) == num_full:
             return
         extra_keys = request.cache_salt.encode() if request.cache_salt else b""
         tokens = request.all_token_ids
-        size = self.block_size
         parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, tokens[i * size : (i + 1) * size], extra_keys)
             hashes.append(parent)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of a request being admitted: (blocks, number of tokens).
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """The longest cached prefix of a request being admitted: (blocks per group, tokens).
 
         At most `num_tokens - 1` tokens may hit, so the last one is recomputed and there is a
-        position to sample from; hits are whole blocks.
+        position to sample from. Each group proposes its longest hit within the current bound
+        and the bound drops to the shortest, until every group agrees.
         """
+        no_hit = tuple([] for _ in self.managers)
         if not self.enable_caching:
-            return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+            return no_hit, 0
+        hashes = request.block_hashes
+        length = (request.num_tokens - 1) // self.hit_alignment * self.hit_alignment
+        while True:
+            hits = tuple(manager.find_longest_cache_hit(hashes, length) for manager in self.managers)
+            shortest = min(
+                len(blocks) * manager.block_size for blocks, manager in zip(hits, self.managers, strict=True)
+            )
+            shortest = shortest // self.hit_alignment * self.hit_alignment
+            if shortest == length:
+                return hits, length
+            length = shortest
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
-    ) -> list[int] | None:
-        """Give the request blocks for `num_new_tokens` more tokens; return the new block ids.
+        self, request: Request, num_new_tokens: int, new_computed_blocks: GroupBlocks | None = None
+    ) -> BlockIds | None:
+        """Give the request blocks for `num_new_tokens` more tokens; return the new block ids
+        per group.
 
-        `new_computed_blocks` are prefix-cache hits from `get_computed_blocks`, passed when
-        the request is admitted; they count as computed, before the new tokens. Returns None,
-        changing nothing, when the pool has too few free blocks.
+        Blocks no future token reads (outside a sliding window) go back to the pool first.
+        `new_computed_blocks` are prefix-cache hits from `get_computed_blocks`, passed when the
+        request is admitted; they count as computed, before the new tokens. Returns None,
+        changing nothing but the freeing, when the pool has too few free blocks.
         """
         req_id = request.request_id
-        held = self._req_blocks.get(req_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(held) - len(new_computed_blocks)
-        # Hits on free blocks take them out of the free queue too.
-        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_needed + num_free_hits > self.block_pool.num_free_blocks:
+        hits = new_computed_blocks or tuple([] for _ in self.managers)
+        num_hit_tokens = len(hits[0]) * self.managers[0].block_size
+        num_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        for manager in self.managers:
+            manager.remove_skipped_blocks(req_id, request.num_computed_tokens)
+        num_needed = sum(
+            manager.num_blocks_to_allocate(req_id, num_tokens, blocks)
+            for manager, blocks in zip(self.managers, hits, strict=True)
+        )
+        if num_needed > self.block_pool.num_free_blocks:
             return None
-
-        if req_id not in self._req_blocks:
-            self._req_blocks[req_id] = held
-            self._num_cached_blocks[req_id] = len(new_computed_blocks)
-            if self.enable_caching:
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += len(new_computed_blocks) * self.block_size
-        self.block_pool.touch(new_computed_blocks)
-        held.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_needed)
-        held.extend(new_blocks)
-        return [block.block_id for block in new_blocks]
+        admitted = req_id not in self.managers[0].req_to_blocks
+        if admitted and self.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+        new_block_ids = []
+        for manager, blocks in zip(self.managers, hits, strict=True):
+            manager.save_new_computed_blocks(req_id, blocks)
+            new_block_ids.append([block.block_id for block in manager.allocate_new_blocks(req_id, num_tokens)])
+        return tuple(new_block_ids)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that `num_computed_tokens` computed tokens fill."""
         if not self.enable_caching:
             return
-        req_id = request.request_id
-        blocks = self._req_blocks.get(req_id)
-        if blocks is None:
-            return
-        start = self._num_cached_blocks[req_id]
-        end = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
-        for i in range(start, end):
-            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
-        self._num_cached_blocks[req_id] = max(start, end)
+        for manager in self.managers:
+            manager.cache_blocks(request.request_id, request.block_hashes, num_computed_tokens)
 
     def free(self, request: Request) -> None:
-        """Return the request's blocks, tail first, so its prefix stays cached longest."""
-        blocks = self._req_blocks.pop(request.request_id, None)
-        if blocks is None:
-            return
-        del self._num_cached_blocks[request.request_id]
-        self.block_pool.free_blocks(reversed(blocks))
+        for manager in self.managers:
+            manager.free(request.request_id)
 
-    def get_block_ids(self, request: Request) -> list[int]:
-        return [block.block_id for block in self._req_blocks.get(request.request_id, ())]
+    def get_block_ids(self, request: Request) -> BlockIds:
+        """The request's block ids per group (null blocks where a window let blocks go)."""
+        return tuple(manager.block_ids(request.request_id) for manager in self.managers)
+
+    def num_held_blocks(self, request: Request) -> list[int]:
+        """Real (non-null) blocks the request holds in each group."""
+        null = self.block_pool.null_block
+        return [
+            sum(1 for block in manager.req_to_blocks.get(request.request_id, ()) if block is not null)
+            for manager in self.managers
+        ]
 
     def take_freed_block_ids(self) -> list[int]:
         """Block ids whose content became garbage since the last call (for the block zeroer)."""
@@ -155,7 +183,10 @@ class KVCacheManager:
         self.block_pool.reset_prefix_cache()
 
     def check_idle(self) -> None:
-        """Raise AssertionError unless no request holds blocks and the pool is whole."""
-        if self._req_blocks:
-            raise AssertionError(f"requests {sorted(self._req_blocks)[:16]} still hold KV blocks")
+        """Raise AssertionError unless no request holds blocks in any group and the pool is whole."""
+        for gid, manager in enumerate(self.managers):
+            if manager.req_to_blocks:
+                raise AssertionError(
+                    f"requests {sorted(manager.req_to_blocks)[:16]} still hold KV blocks in group {gid}"
+                )
         self.block_pool.check_idle()

@@ -23,29 +23,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagoda.kv_cache_interface import KVCacheConfig
+from pagoda.outputs import EngineCoreOutput, ModelRunnerOutput, RequestStatus, SchedulerStats
 from pagoda.scheduler.kv_cache_manager import KVCacheManager
 from pagoda.scheduler.output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
-from pagoda.scheduler.request import Request, RequestStatus
+from pagoda.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class Scheduler:
@@ -53,7 +39,7 @@ class Scheduler:
         self,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
-        num_blocks: int,
+        kv_cache_config: KVCacheConfig,
         pipeline_parallel: bool = False,
     ) -> None:
         budget = scheduler_config.max_num_batched_tokens
@@ -71,7 +57,7 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.pipeline_parallel = pipeline_parallel
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(kv_cache_config, cache_config.enable_prefix_caching)
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -98,7 +84,7 @@ class Scheduler:
         if request.max_tokens is not None:
             max_len = min(max_len, request.num_prompt_tokens + request.max_tokens)
         # The last sampled token is never computed, so at most max_len - 1 tokens hold KV.
-        num_blocks = self.kv_cache_manager.num_blocks_for(max_len - 1)
+        num_blocks = self.kv_cache_manager.max_blocks_per_request(max_len - 1, self.max_num_batched_tokens)
         usable = self.kv_cache_manager.block_pool.num_usable_blocks
         if num_blocks > usable:
             raise ValueError(
@@ -171,7 +157,7 @@ class Scheduler:
             new_block_ids = self._allocate_or_preempt(request, num_new, preempted_req_ids)
             if new_block_ids is None:
                 break
-            appended: BlockIds | None = (new_block_ids,) if new_block_ids else None
+            appended: BlockIds | None = new_block_ids if any(new_block_ids) else None
             _append_cached(cached_reqs, request, False, None, appended, request.num_computed_tokens)
             if self.pipeline_parallel:
                 first_new = max(request.num_computed_tokens, request.num_prompt_tokens)
@@ -199,7 +185,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(request)
             request.num_computed_tokens = num_hit_tokens
-            block_ids: BlockIds = (kv.get_block_ids(request),)
+            block_ids = kv.get_block_ids(request)
             if request.status == RequestStatus.PREEMPTED:
                 _append_cached(cached_reqs, request, True, list(request.all_token_ids), block_ids, num_hit_tokens)
                 if self.pipeline_parallel:
@@ -336,7 +322,7 @@ class Scheduler:
             request.max_tokens is not None and num_output >= request.max_tokens
         ) or request.num_tokens + num_extra_tokens >= self.max_model_len
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted_req_ids: set[str]) -> list[int] | None:
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted_req_ids: set[str]) -> BlockIds | None:
         """Allocate for a running request, preempting from the tail of `running` until it fits.
 
         Returns the new block ids, or None when the request had to preempt itself.

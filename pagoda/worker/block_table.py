@@ -1,4 +1,5 @@
-"""`BlockTable`: each batch row's physical KV block ids, in a NumPy array with a device mirror.
+"""`BlockTable`: each batch row's physical KV block ids, in a NumPy array with a device mirror;
+`MultiGroupBlockTable`: one of them per KV-cache group.
 
 The device copy is refreshed only for rows that changed since the last step, so a decode step
 that allocates no new block sends nothing.
@@ -66,3 +67,44 @@ class BlockTable:
             lo, hi = min(rows), max(rows) + 1
             self.block_table[lo:hi].copy_(self.block_table_cpu[lo:hi], non_blocking=True)
         return self.block_table[:num_reqs]
+
+
+class MultiGroupBlockTable:
+    """One `BlockTable` per KV-cache group (each with its own block size), moved together."""
+
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_sizes: list[int], device: torch.device, pin_memory: bool
+    ) -> None:
+        self.block_sizes = list(block_sizes)
+        self.tables = [
+            BlockTable(max_num_reqs, -(max_model_len // -block_size), device, pin_memory) for block_size in block_sizes
+        ]
+
+    def __getitem__(self, group: int) -> BlockTable:
+        return self.tables[group]
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def append_row(self, block_ids: tuple[list[int], ...], row: int) -> None:
+        for table, ids in zip(self.tables, block_ids, strict=True):
+            table.append_row(ids, row)
+
+    def add_row(self, block_ids: tuple[list[int], ...], row: int) -> None:
+        for table, ids in zip(self.tables, block_ids, strict=True):
+            table.add_row(ids, row)
+
+    def clear_row(self, row: int) -> None:
+        for table in self.tables:
+            table.clear_row(row)
+
+    def move_row(self, src: int, dst: int) -> None:
+        for table in self.tables:
+            table.move_row(src, dst)
+
+    def swap_row(self, a: int, b: int) -> None:
+        for table in self.tables:
+            table.swap_row(a, b)
+
+    def row(self, row: int) -> tuple[list[int], ...]:
+        return tuple(table.row(row) for table in self.tables)

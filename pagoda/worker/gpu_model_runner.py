@@ -9,21 +9,26 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagoda.attention.backends import AttentionShape, get_attention_backend
+from pagoda.attention.backends import AttentionLimits, AttentionMetadataBuilder, CUDAGraphSupport, get_attention_backend
+from pagoda.attention.layer import Attention
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import EngineConfig
-from pagoda.distributed.parallel_state import get_parallel_state, get_pp_layer_range
+from pagoda.distributed.parallel_state import get_parallel_state
+from pagoda.forward_context import ForwardContext
+from pagoda.kv_cache_interface import KVCacheConfig, KVCacheSpec, get_kv_cache_config
 from pagoda.outputs import IntermediateTensors, LogprobsArrays, ModelRunnerOutput
-from pagoda.sample.metadata import PenaltyMetadata, SamplingMetadata
+from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sample.sampler import Sampler, SamplerOutput
-from pagoda.sampling_params import MAX_LOGPROBS
-from pagoda.scheduler.output import SchedulerOutput
+from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagoda.scheduler.block_pool import NULL_BLOCK_ID
+from pagoda.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
 from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
 from pagoda.worker.cuda_graph import BatchDescriptor, CudaGraphManager, CUDAGraphMode, default_capture_sizes
@@ -38,6 +43,32 @@ logger = logging.getLogger(__name__)
 # Written where a sampled token goes until its value reaches the host (async scheduling).
 PLACEHOLDER_TOKEN_ID = -1
 
+# Dummy requests of the profile run and graph capture: every sampling setting on, with penalty
+# statistics and top logprobs, so the profile's peak includes the sampler's largest temporaries.
+DUMMY_REQ_PREFIX = "_dummy-"
+PROFILE_SAMPLING_PARAMS = SamplingParams(
+    temperature=0.7,
+    top_k=50,
+    top_p=0.9,
+    min_p=0.05,
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+    repetition_penalty=1.1,
+    logprobs=MAX_LOGPROBS,
+    seed=0,
+)
+
+
+@dataclass(frozen=True)
+class BatchExecution:
+    """How a step runs: eagerly or by replaying the graph `batch_descriptor`, over
+    `num_input_tokens` tokens (padding included) in `num_rows` request rows."""
+
+    cudagraph_mode: CUDAGraphMode
+    batch_descriptor: BatchDescriptor | None
+    num_input_tokens: int
+    num_rows: int
+
 
 @dataclass
 class PreparedInputs:
@@ -45,7 +76,7 @@ class PreparedInputs:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: AttentionMetadata
+    forward_context: ForwardContext
     num_scheduled_tokens: int
     # Flat token index of the last scheduled token of each row that samples this step.
     logits_indices: torch.Tensor
@@ -75,40 +106,26 @@ class GPUModelRunner:
         self.max_num_tokens = self.scheduler_config.max_num_batched_tokens
         self.max_model_len = self.model_config.max_model_len
         self.block_size = self.cache_config.block_size
-        # This rank's share of the model: its heads (a KV head is replicated when there are
-        # fewer than ranks) and its pipeline stage's layers.
+        # This rank's query heads and pipeline stage (the layers declare their own KV cache).
         parallel = get_parallel_state()
         self.num_heads = self.model_config.num_attention_heads // parallel.tp_size
-        self.num_kv_heads = max(1, self.model_config.num_kv_heads // parallel.tp_size)
-        start_layer, end_layer = get_pp_layer_range(self.model_config.num_layers)
-        self.num_layers = end_layer - start_layer
         self.is_first_stage, self.is_last_stage = parallel.is_first_pp_rank, parallel.is_last_pp_rank
-        self.head_size = self.model_config.head_size
         self.vocab_size = self.model_config.vocab_size
-        self.max_num_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         self.pin_memory = device.type == "cuda"
 
-        self.input_batch = InputBatch(
-            max_num_reqs=self.max_num_reqs,
-            max_model_len=self.max_model_len,
-            max_num_blocks_per_req=self.max_num_blocks_per_req,
-            vocab_size=self.vocab_size,
-            device=device,
-            pin_memory=self.pin_memory,
-        )
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(self.model_config.logprobs_mode)
         self.kv_connector = KVConnector()
-        shape = AttentionShape(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size,
-            max_num_seqs=self.max_num_reqs,
-            max_model_len=self.max_model_len,
-        )
-        self.attn_backend = get_attention_backend(config.device_config.attention_backend, shape, device)
+        self.attn_backend = get_attention_backend(config.device_config.attention_backend)
         self.model: torch.nn.Module | None = None
-        self.kv_caches: list[torch.Tensor] = []
+        # Set by load_model from the layers' specs: the groups (the executor's layout has the same
+        # ones), a metadata builder per group, the persistent batch with a block table per group.
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.attn_metadata_builders: list[AttentionMetadataBuilder] = []
+        self.input_batch: InputBatch | None = None
+        # Layer name -> its KV-cache group; layer name -> its view of the cache.
+        self.layer_groups: dict[str, int] = {}
+        self.kv_caches: dict[str, torch.Tensor] = {}
         # Seeds for requests that bring none: drawn from the engine seed, so runs repeat.
         self._seed_rng = np.random.default_rng(self.model_config.seed)
 
@@ -116,9 +133,10 @@ class GPUModelRunner:
         def buffer(size: int, dtype: torch.dtype) -> CpuGpuBuffer:
             return CpuGpuBuffer(size, dtype, device, self.pin_memory)
 
+        self.buffer = buffer
         self.input_ids = buffer(self.max_num_tokens, torch.int64)
         self.positions = buffer(self.max_num_tokens, torch.int64)
-        self.slot_mapping = buffer(self.max_num_tokens, torch.int64)
+        self.slot_mappings: list[CpuGpuBuffer] = []  # one per KV-cache group
         self.query_start_loc = buffer(self.max_num_reqs + 1, torch.int32)
         self.seq_lens = buffer(self.max_num_reqs, torch.int32)
         self.logits_indices = buffer(self.max_num_reqs, torch.int64)
@@ -140,15 +158,15 @@ class GPUModelRunner:
             self._intermediate_buffers = IntermediateTensors(
                 *(torch.zeros(self.max_num_tokens, hidden_size, dtype=self.dtype, device=device) for _ in range(2))
             )
-        self.cudagraph_manager = self._make_cudagraph_manager(config, device)
+        self.cudagraph_manager: CudaGraphManager | None = None
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
     # ---- setup -------------------------------------------------------------------------
 
-    def _make_cudagraph_manager(self, config: EngineConfig, device: torch.device) -> CudaGraphManager | None:
-        """Graphs need CUDA and a backend that reads its metadata only from device buffers."""
-        compilation = config.compilation_config
-        if device.type != "cuda" or compilation.enforce_eager or config.device_config.attention_backend != "triton":
+    def _make_cudagraph_manager(self, graph_support: CUDAGraphSupport) -> CudaGraphManager | None:
+        """Graphs need CUDA and backends that read their metadata only from device buffers."""
+        compilation = self.config.compilation_config
+        if self.device.type != "cuda" or compilation.enforce_eager or graph_support < CUDAGraphSupport.ALWAYS:
             return None
         limit = min(compilation.max_cudagraph_capture_size, self.max_num_tokens)
         sizes = [size for size in compilation.cudagraph_capture_sizes or default_capture_sizes(limit) if size <= limit]
@@ -160,6 +178,46 @@ class GPUModelRunner:
         self.model = get_model(self.model_config, self.attn_backend, self.device)
         if self.memory_pool is not None:
             self.memory_pool.pack_module(self.model, "weights")
+        layers = self._attention_layers()
+        self.cudagraph_manager = self._make_cudagraph_manager(
+            min((layer.backend.cudagraph_support for layer in layers), default=CUDAGraphSupport.ALWAYS)
+        )
+        # The groups the executor's layout will have too (it groups the same specs); one block
+        # for now, so the profile run has a cache to write.
+        self._init_kv_cache_groups(get_kv_cache_config(self.get_kv_cache_spec(), 0, num_blocks=1))
+
+    def _attention_layers(self) -> list[Attention]:
+        assert self.model is not None
+        return [module for module in self.model.modules() if isinstance(module, Attention)]
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """{layer name: what it keeps in the KV cache}, as the layers declare it."""
+        return {
+            layer.layer_name: layer.get_kv_cache_spec(self.block_size, self.dtype) for layer in self._attention_layers()
+        }
+
+    def _init_kv_cache_groups(self, kv_cache_config: KVCacheConfig) -> None:
+        """Per group: a metadata builder, a slot-mapping buffer and a block table (in the batch)."""
+        self.kv_cache_config = kv_cache_config
+        groups = kv_cache_config.kv_cache_groups
+        self.layer_groups = {name: gid for gid, group in enumerate(groups) for name in group.layer_names}
+        limits = AttentionLimits(self.num_heads, self.max_num_reqs, self.max_model_len)
+        builders: dict[KVCacheSpec, AttentionMetadataBuilder] = {}  # groups of one spec share theirs
+        for group in groups:
+            spec = group.kv_cache_spec
+            if spec not in builders:
+                builders[spec] = self.attn_backend.get_builder_cls()(spec, limits, self.device)
+        self.attn_metadata_builders = [builders[group.kv_cache_spec] for group in groups]
+        self.slot_mappings = [self.buffer(self.max_num_tokens, torch.int64) for _ in groups]
+        self.input_batch = InputBatch(
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            block_sizes=list(kv_cache_config.block_sizes),
+            vocab_size=self.vocab_size,
+            device=self.device,
+            pin_memory=self.pin_memory,
+        )
+        self.kv_caches = self._allocate_kv_caches(kv_cache_config, memory_pool=None)
 
     def reload_weights(self) -> None:
         """Fill the weights in place from the model's source (after sleep level 2 dropped them)."""
@@ -173,21 +231,32 @@ class GPUModelRunner:
         graphs, stay valid); returns the HF names loaded."""
         return self.model.load_weights(weights)
 
-    def get_kv_cache_block_bytes(self) -> int:
-        """Bytes one KV block takes across all layers (K and V)."""
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size * element
-        return per_layer * self.num_layers
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate the executor's layout: its groups must be the ones load_model found."""
+        assert self.kv_cache_config is not None, "load_model first"
+        if kv_cache_config.kv_cache_groups != self.kv_cache_config.kv_cache_groups:
+            raise ValueError("the KV cache layout's groups differ from the groups this rank's layers form")
+        self.kv_caches = {}  # drop the profile's one-block cache before allocating the real one
+        self.kv_cache_config = kv_cache_config
+        self.kv_caches = self._allocate_kv_caches(kv_cache_config, self.memory_pool)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
-        pool = self.memory_pool
-        self.kv_caches = [
-            pool.allocate("kv_cache", shape, self.dtype)
-            if pool is not None
-            else torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.num_layers)
-        ]
+    def _allocate_kv_caches(
+        self, kv_cache_config: KVCacheConfig, memory_pool: TaggedMemoryPool | None
+    ) -> dict[str, torch.Tensor]:
+        """One zeroed buffer per `KVCacheTensor`, viewed by each layer sharing it in its
+        backend's shape (one page per block, the same bytes for every layer of the buffer)."""
+        specs = {name: group.kv_cache_spec for group in kv_cache_config.kv_cache_groups for name in group.layer_names}
+        kv_caches = {}
+        for tensor in kv_cache_config.kv_cache_tensors:
+            if memory_pool is not None:
+                raw = memory_pool.allocate("kv_cache", (tensor.size_bytes,), torch.int8)
+            else:
+                raw = torch.zeros(tensor.size_bytes, dtype=torch.int8, device=self.device)
+            for name in tensor.shared_by:
+                spec = specs[name]
+                shape = self.attn_backend.get_kv_cache_shape(kv_cache_config.num_blocks, spec)
+                kv_caches[name] = raw.view(spec.dtype).view(shape)
+        return kv_caches
 
     @torch.inference_mode()
     def capture_model(self) -> None:
@@ -197,7 +266,7 @@ class GPUModelRunner:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         keys = self.cudagraph_manager.descriptors
-        self._capture_graphs(self.cudagraph_manager, keys, self.kv_caches)
+        self._capture_graphs(self.cudagraph_manager, keys)
         torch.cuda.synchronize()
         logger.info(
             "captured %d CUDA graphs (decode sizes up to %d, mixed up to %d) in %.1f s, using %.2f GiB",
@@ -213,8 +282,8 @@ class GPUModelRunner:
         """Device bytes the graphs will take, measured before the KV cache exists.
 
         Captures the largest graph of each kind (their shared pool: the activations) and the
-        two smallest (what each further graph adds) into a scratch manager over a one-block
-        cache, then frees them; the estimate scales the per-graph part to every graph.
+        two smallest (what each further graph adds) into a scratch manager over the one-block
+        profile cache, then frees them; the estimate scales the per-graph part to every graph.
         """
         manager = self.cudagraph_manager
         if manager is None:
@@ -222,15 +291,11 @@ class GPUModelRunner:
         keys = manager.descriptors
         largest = list(dict.fromkeys([keys[0], *[key for key in keys if key.uniform_decode][:1]]))
         smallest = [key for key in keys[-2:] if key not in largest]
-        dummy_cache = torch.zeros(
-            (2, 1, self.block_size, self.num_kv_heads, self.head_size), dtype=self.dtype, device=self.device
-        )
-        dummy_caches = [dummy_cache] * self.num_layers
 
         def measure(scratch: CudaGraphManager, group: list[BatchDescriptor]) -> int:
             torch.cuda.synchronize()
             free_before = torch.cuda.mem_get_info()[0]
-            self._capture_graphs(scratch, group, dummy_caches)
+            self._capture_graphs(scratch, group)
             torch.cuda.synchronize()
             return free_before - torch.cuda.mem_get_info()[0]
 
@@ -243,14 +308,12 @@ class GPUModelRunner:
         torch.cuda.empty_cache()
         return int(pool_and_first + per_graph * (len(keys) - len(largest)))
 
-    def _capture_graphs(
-        self, manager: CudaGraphManager, keys: list[BatchDescriptor], kv_caches: list[torch.Tensor]
-    ) -> None:
-        """Capture `keys` on dummy batches of their kind and size.
+    def _capture_graphs(self, manager: CudaGraphManager, keys: list[BatchDescriptor]) -> None:
+        """Capture `keys` on dummy batches of their kind and size, over the current KV cache.
 
-        Decode: one token per row; mixed: requests of up to max_model_len tokens (any mix
-        replays the same launches). The dummy batch reads only the null block and writes
-        nowhere; replays later read the real step's values from the same static buffers.
+        Decode: one token per row; mixed: requests of up to max_model_len - 1 tokens (any mix
+        replays the same launches). Replays later read the real step's values from the same
+        static buffers.
         """
         assert self.model is not None
         model = self.model
@@ -259,97 +322,64 @@ class GPUModelRunner:
             if key.uniform_decode:
                 num_scheduled = np.ones(size, dtype=np.int64)
             else:
-                chunk = min(size, self.max_model_len)
+                chunk = min(size, self.max_model_len - 1)
                 num_scheduled = np.full(cdiv(size, chunk), chunk, dtype=np.int64)
                 num_scheduled[-1] = size - chunk * (len(num_scheduled) - 1)
-            cu_num_tokens = np.cumsum(num_scheduled)
-            self.input_ids.np[:size] = 0
-            self.positions.np[:size] = 0
-            self.slot_mapping.np[:size] = -1
-            metadata = self._build_attention_metadata(
-                size, self._graph_rows(size), num_scheduled, cu_num_tokens, num_scheduled
-            )
-            input_ids, positions = self.input_ids.copy_to_gpu(size), self.positions.copy_to_gpu(size)
-            intermediate = self.intermediate_tensors(size)
-            manager.capture(
-                key,
-                lambda ids=input_ids, pos=positions, md=metadata, it=intermediate: model(ids, pos, kv_caches, md, it),
-            )
+            execution = BatchExecution(CUDAGraphMode.FULL, key, size, self._graph_rows(size))
+            with self._dummy_batch(num_scheduled, execution) as inputs:
+                intermediate = self.intermediate_tensors(size)
+                manager.capture(
+                    key,
+                    lambda ids=inputs.input_ids, pos=inputs.positions, ctx=inputs.forward_context, it=intermediate: (
+                        model(ids, pos, ctx, it)
+                    ),
+                )
 
     def _graph_rows(self, num_tokens: int) -> int:
         """Request rows of a graph of `num_tokens` tokens: its launch grids are fixed at capture,
         so every replay pads its rows to this count (zero-length rows past the real ones)."""
         return min(num_tokens, self.max_num_reqs)
 
+    @contextmanager
+    def _dummy_batch(self, num_scheduled: np.ndarray, execution: BatchExecution) -> Iterator[PreparedInputs]:
+        """The one dummy-run path (profiling, graph capture): requests of `num_scheduled[i]`
+        prompt tokens go through `_update_states` and `_prepare_inputs` like real ones, then
+        leave the batch. Every block they hold is the null block, which no real request reads
+        (padding and positions outside a window only)."""
+        block_sizes = self.input_batch.block_table.block_sizes
+        new_reqs = [
+            NewRequestData(
+                req_id=f"{DUMMY_REQ_PREFIX}{i}",
+                prompt_token_ids=[0] * int(n),
+                sampling_params=PROFILE_SAMPLING_PARAMS,
+                block_ids=tuple([NULL_BLOCK_ID] * cdiv(int(n), size) for size in block_sizes),
+                num_computed_tokens=0,
+            )
+            for i, n in enumerate(num_scheduled)
+        ]
+        num_tokens = {new.req_id: len(new.prompt_token_ids) for new in new_reqs}
+        scheduler_output = SchedulerOutput(new_reqs, CachedRequestData(), num_tokens, int(num_scheduled.sum()))
+        self._update_states(scheduler_output)
+        try:
+            yield self._prepare_inputs(scheduler_output, execution.num_input_tokens, execution.num_rows)
+        finally:
+            self._update_states(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(num_tokens)))
+
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """Run the largest batch once (forward + sampler) so peak activation memory shows.
-
-        Uses a throwaway one-block KV cache with every slot set to -1 (write nowhere), so it
-        can run before the real cache exists.
-        """
+        """Run the largest batch once (forward + sampler with every setting on) so that peak
+        activation memory shows; before the real cache exists, over the one-block profile cache."""
         assert self.model is not None
-        num_tokens = self.max_num_tokens
+        num_tokens = min(self.max_num_tokens, self.max_num_reqs * (self.max_model_len - 1))
         num_reqs = min(self.max_num_reqs, num_tokens)
         query_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
         query_lens[: num_tokens % num_reqs] += 1
-        cu = np.concatenate([[0], np.cumsum(query_lens)])
-        dummy_cache = torch.zeros(
-            (2, 1, self.block_size, self.num_kv_heads, self.head_size), dtype=self.dtype, device=self.device
-        )
-        max_blocks = cdiv(int(query_lens.max()), self.block_size)
-        metadata = AttentionMetadata(
-            num_reqs=num_reqs,
-            num_actual_tokens=num_tokens,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(query_lens.max()),
-            block_size=self.block_size,
-            query_start_loc=torch.from_numpy(cu).to(self.device, torch.int32),
-            seq_lens=torch.from_numpy(query_lens).to(self.device, torch.int32),
-            block_table=torch.zeros((num_reqs, max_blocks), dtype=torch.int32, device=self.device),
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            query_start_loc_cpu=torch.from_numpy(cu).to(torch.int32),
-            seq_lens_cpu=torch.from_numpy(query_lens).to(torch.int32),
-        )
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in query_lens])).to(self.device)
-        hidden = self.model(
-            input_ids, positions, [dummy_cache] * self.num_layers, metadata, self.intermediate_tensors(num_tokens)
-        )
-        if not self.is_last_stage:
-            return
-        rows = torch.arange(self.max_num_reqs, device=self.device) % num_tokens
-        logits = self.model.compute_logits(hidden[rows])
-        self.sampler(logits, self._dummy_sampling_metadata(self.max_num_reqs))
-        del hidden, logits
-
-    def _dummy_sampling_metadata(self, num_rows: int) -> SamplingMetadata:
-        """Every setting on, with penalty statistics as large as the batch's, so the profile's peak
-        includes the sampler's largest temporaries and the [max_num_reqs, vocab] penalty counts."""
-
-        def full(value: float, dtype: torch.dtype) -> torch.Tensor:
-            return torch.full((num_rows,), value, dtype=dtype, device=self.device)
-
-        counts_shape = (num_rows, self.vocab_size)
-
-        return SamplingMetadata(
-            temperature=full(0.7, torch.float32),
-            all_greedy=False,
-            all_random=True,
-            top_k=full(50, torch.int32),
-            top_p=full(0.9, torch.float32),
-            min_p=full(0.05, torch.float32),
-            seeds=full(0, torch.int64),
-            output_positions=full(0, torch.int64),
-            penalties=PenaltyMetadata(
-                output_token_counts=torch.zeros(counts_shape, dtype=torch.int32, device=self.device),
-                prompt_token_mask=torch.zeros(counts_shape, dtype=torch.bool, device=self.device),
-                presence_penalty=full(0.5, torch.float32),
-                frequency_penalty=full(0.5, torch.float32),
-                repetition_penalty=full(1.1, torch.float32),
-            ),
-            max_num_logprobs=MAX_LOGPROBS,
-        )
+        execution = BatchExecution(CUDAGraphMode.NONE, None, num_tokens, num_reqs)
+        with self._dummy_batch(query_lens, execution) as inputs:
+            hidden = self._model_forward(inputs, self.intermediate_tensors(num_tokens))
+            if self.is_last_stage:
+                self._sample(hidden, inputs)
+            del hidden
 
     # ---- the seed's step -----------------------------------------------------------------
 
@@ -412,7 +442,7 @@ class GPUModelRunner:
                 continue
             batch.num_computed_tokens[row] = state.num_computed_tokens
             if new_block_ids is not None:
-                batch.block_table.append_row(new_block_ids[0], row)
+                batch.block_table.append_row(new_block_ids, row)
 
         batch.condense()
         # Phase 6 (spec decode) has no callback to return until speculative decoding lands.
@@ -432,10 +462,12 @@ class GPUModelRunner:
             self.input_batch.num_tokens[row] = max(int(self.input_batch.num_tokens[row]), end)
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
-        """The seed's KV block zeroer: one indexed write per layer, K and V together."""
+        """The seed's KV block zeroer: one indexed write per cache buffer (through its first
+        layer's view: the layers sharing it lay pages out alike), K and V together."""
         index = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        for kv_cache in self.kv_caches:
-            kv_cache.index_fill_(1, index, 0)
+        assert self.kv_cache_config is not None
+        for tensor in self.kv_cache_config.kv_cache_tensors:
+            self.kv_caches[tensor.shared_by[0]].index_fill_(1, index, 0)
 
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput, num_input_tokens: int, num_rows: int
@@ -460,18 +492,21 @@ class GPUModelRunner:
 
         self.positions.np[:total] = positions
         self.input_ids.np[:total] = batch.token_ids_cpu[req_indices, positions]
-        block_ids = batch.block_table.block_table_np[req_indices, positions // self.block_size]
-        self.slot_mapping.np[:total] = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
         self.input_ids.np[total:num_input_tokens] = 0
         self.positions.np[total:num_input_tokens] = 0
-        self.slot_mapping.np[total:num_input_tokens] = -1
+        for table, block_size, slot_mapping in zip(
+            batch.block_table.tables, batch.block_table.block_sizes, self.slot_mappings, strict=True
+        ):
+            block_ids = table.block_table_np[req_indices, positions // block_size]
+            slot_mapping.np[:total] = block_ids.astype(np.int64) * block_size + positions % block_size
+            slot_mapping.np[total:num_input_tokens] = -1
 
         seq_lens = num_computed + num_scheduled
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
         num_sampled = len(sample_rows)
         self.logits_indices.np[:num_sampled] = cu_num_tokens[sample_rows] - 1
 
-        attn_metadata = self._build_attention_metadata(
+        forward_context = self._build_attention_metadata(
             num_input_tokens, num_rows, num_scheduled, cu_num_tokens, seq_lens
         )
         input_ids = self.input_ids.copy_to_gpu(num_input_tokens)
@@ -479,7 +514,7 @@ class GPUModelRunner:
         return PreparedInputs(
             input_ids=input_ids,
             positions=self.positions.copy_to_gpu(num_input_tokens),
-            attn_metadata=attn_metadata,
+            forward_context=forward_context,
             num_scheduled_tokens=total,
             logits_indices=self.logits_indices.copy_to_gpu(num_sampled),
             sample_rows=sample_rows,
@@ -526,9 +561,10 @@ class GPUModelRunner:
         num_scheduled: np.ndarray,
         cu_num_tokens: np.ndarray,
         seq_lens: np.ndarray,
-    ) -> AttentionMetadata:
-        """Block table, slot mapping, query start offsets and sequence lengths (one KV group),
-        for `num_rows` request rows (at least the real ones; the rest have length 0)."""
+    ) -> ForwardContext:
+        """The step's `ForwardContext`: per KV-cache group, its block table and slot mapping with
+        the common query offsets and lengths, made into its layers' metadata by the group's
+        builder, for `num_rows` request rows (at least the real ones; the rest have length 0)."""
         num_reqs = len(num_scheduled)
         num_total = int(cu_num_tokens[-1])
         self.query_start_loc.np[0] = 0
@@ -536,43 +572,54 @@ class GPUModelRunner:
         self.query_start_loc.np[num_reqs + 1 : num_rows + 1] = num_total
         self.seq_lens.np[:num_reqs] = seq_lens
         self.seq_lens.np[num_reqs:num_rows] = 0
-        return AttentionMetadata(
-            num_reqs=num_rows,
-            num_actual_tokens=num_total,
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=self.block_size,
-            query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
-            seq_lens=self.seq_lens.copy_to_gpu(num_rows),
-            block_table=self.input_batch.block_table.commit(num_rows),
-            slot_mapping=self.slot_mapping.copy_to_gpu(num_input_tokens),
-            query_start_loc_cpu=self.query_start_loc.cpu[: num_rows + 1],
-            seq_lens_cpu=self.seq_lens.cpu[:num_rows],
+        query_start_loc = self.query_start_loc.copy_to_gpu(num_rows + 1)
+        seq_lens_device = self.seq_lens.copy_to_gpu(num_rows)
+        block_table = self.input_batch.block_table
+        group_metadata = [
+            builder.build(
+                AttentionMetadata(
+                    num_reqs=num_rows,
+                    num_actual_tokens=num_total,
+                    max_query_len=int(num_scheduled.max()),
+                    max_seq_len=int(seq_lens.max()),
+                    block_size=block_size,
+                    query_start_loc=query_start_loc,
+                    seq_lens=seq_lens_device,
+                    block_table=table.commit(num_rows),
+                    slot_mapping=slot_mapping.copy_to_gpu(num_input_tokens),
+                    query_start_loc_cpu=self.query_start_loc.cpu[: num_rows + 1],
+                    seq_lens_cpu=self.seq_lens.cpu[:num_rows],
+                )
+            )
+            for table, block_size, slot_mapping, builder in zip(
+                block_table.tables,
+                block_table.block_sizes,
+                self.slot_mappings,
+                self.attn_metadata_builders,
+                strict=True,
+            )
+        ]
+        return ForwardContext(
+            attn_metadata={name: group_metadata[gid] for name, gid in self.layer_groups.items()},
+            kv_caches=self.kv_caches,
         )
 
-    def _determine_batch_execution_and_padding(
-        self, scheduler_output: SchedulerOutput
-    ) -> tuple[bool, CUDAGraphMode, BatchDescriptor | None, int, int]:
-        """(use micro-batches, graph mode, graph key, padded token count, request rows).
-
-        A batch replays the graph of its kind (uniform decode or mixed) of the nearest captured
-        size above it; a batch larger than every graph runs eagerly, unpadded.
-        """
+    def _determine_batch_execution_and_padding(self, scheduler_output: SchedulerOutput) -> BatchExecution:
+        """A batch replays the graph of its kind (uniform decode or mixed) of the nearest captured
+        size above it; a batch larger than every graph runs eagerly, unpadded."""
         num_tokens = scheduler_output.total_num_scheduled_tokens
         num_reqs = len(scheduler_output.num_scheduled_tokens)
         if self.cudagraph_manager is not None:
             key = self.cudagraph_manager.descriptor_for(num_tokens, uniform_decode=num_tokens == num_reqs)
             if key is not None:
-                return False, CUDAGraphMode.FULL, key, key.num_tokens, self._graph_rows(key.num_tokens)
-        return False, CUDAGraphMode.NONE, None, num_tokens, num_reqs
+                return BatchExecution(CUDAGraphMode.FULL, key, key.num_tokens, self._graph_rows(key.num_tokens))
+        return BatchExecution(CUDAGraphMode.NONE, None, num_tokens, num_reqs)
 
     def _model_forward(
         self, inputs: PreparedInputs, intermediate_tensors: IntermediateTensors | None
     ) -> torch.Tensor | IntermediateTensors:
         assert self.model is not None
-        return self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate_tensors
-        )
+        return self.model(inputs.input_ids, inputs.positions, inputs.forward_context, intermediate_tensors)
 
     def intermediate_tensors(self, num_tokens: int) -> IntermediateTensors | None:
         """The static buffers a later pipeline stage receives `num_tokens` rows into (None on the first)."""
@@ -583,7 +630,7 @@ class GPUModelRunner:
 
     def num_input_tokens(self, scheduler_output: SchedulerOutput) -> int:
         """Tokens the forward of this step runs on, padding included: what stages hand each other."""
-        return self._determine_batch_execution_and_padding(scheduler_output)[3]
+        return self._determine_batch_execution_and_padding(scheduler_output).num_input_tokens
 
     def _sample(self, hidden_states: torch.Tensor, inputs: PreparedInputs) -> SamplerOutput | None:
         """Logits only at the positions that sample; partial prefill chunks sample nothing
@@ -729,16 +776,14 @@ class GPUModelRunner:
         if self._needs_host_history():
             self._resolve_pending_output()
         # Padding is decided first, so the inputs are written straight at the graph's size.
-        _, cudagraph_mode, graph_key, num_input_tokens, num_rows = self._determine_batch_execution_and_padding(
-            scheduler_output
-        )
-        inputs = self._prepare_inputs(scheduler_output, num_input_tokens, num_rows)
+        execution = self._determine_batch_execution_and_padding(scheduler_output)
+        inputs = self._prepare_inputs(scheduler_output, execution.num_input_tokens, execution.num_rows)
         if self._inputs_sent is not None:
             self._inputs_sent.record()
         self.kv_connector.pre_forward(scheduler_output)
-        if cudagraph_mode == CUDAGraphMode.FULL:
-            assert self.cudagraph_manager is not None and graph_key is not None
-            hidden_states = self.cudagraph_manager.replay(graph_key)
+        if execution.cudagraph_mode == CUDAGraphMode.FULL:
+            assert self.cudagraph_manager is not None and execution.batch_descriptor is not None
+            hidden_states = self.cudagraph_manager.replay(execution.batch_descriptor)
         else:
             hidden_states = self._model_forward(inputs, intermediate_tensors)
         if isinstance(hidden_states, IntermediateTensors):

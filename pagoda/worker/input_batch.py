@@ -17,7 +17,7 @@ from pagoda.outputs import LogprobsArrays
 from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.output import BlockIds
-from pagoda.worker.block_table import BlockTable
+from pagoda.worker.block_table import MultiGroupBlockTable
 from pagoda.worker.sampling_batch import SamplingBatch
 
 
@@ -45,7 +45,7 @@ class InputBatch:
         self,
         max_num_reqs: int,
         max_model_len: int,
-        max_num_blocks_per_req: int,
+        block_sizes: list[int],
         vocab_size: int,
         device: torch.device,
         pin_memory: bool,
@@ -63,7 +63,8 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.sampling = SamplingBatch(max_num_reqs, vocab_size, device, pin_memory)
-        self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, device, pin_memory)
+        # One block table per KV-cache group.
+        self.block_table = MultiGroupBlockTable(max_num_reqs, max_model_len, block_sizes, device, pin_memory)
         self._row_arrays = (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens)
 
     @property
@@ -104,7 +105,7 @@ class InputBatch:
             state.output_token_ids,
             wants_prompt_logprobs=state.prompt_logprobs is not None,
         )
-        self.block_table.add_row(state.block_ids[0], row)
+        self.block_table.add_row(state.block_ids, row)
         return row
 
     def remove_request(self, req_id: str) -> int | None:
@@ -176,5 +177,5 @@ class InputBatch:
             assert self.token_ids_cpu[row, : len(tokens)].tolist() == tokens, req_id
             assert self.num_prompt_tokens[row] == len(state.prompt_token_ids)
             assert self.num_computed_tokens[row] == state.num_computed_tokens
-            assert self.block_table.row(row) == state.block_ids[0], req_id
+            assert self.block_table.row(row) == tuple(state.block_ids), req_id
             self.sampling.check_row(row, state.sampling_params, state.seed)

@@ -17,6 +17,7 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import init_distributed_environment, pp_recv, pp_send
+from pagoda.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from pagoda.model.loader.model_loader import check_weights_complete, iter_checkpoint_weights
 from pagoda.outputs import AsyncModelRunnerOutput, IntermediateTensors, ModelRunnerOutput
 from pagoda.scheduler.output import SchedulerOutput
@@ -128,13 +129,18 @@ class Worker:
         )
         return available
 
-    def get_kv_cache_block_bytes(self) -> int:
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """{layer name: what it keeps in the KV cache} for this rank's layers."""
         assert self.model_runner is not None
-        return self.model_runner.get_kv_cache_block_bytes()
+        return self.model_runner.get_kv_cache_spec()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_from_config(self, kv_cache_configs: list[KVCacheConfig]) -> None:
+        """Take this rank's layout from the executor's list (one per rank, rank order)."""
+        self.initialize_kv_cache(kv_cache_configs[self.rank])
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         assert self.model_runner is not None
-        self.model_runner.initialize_kv_cache(num_blocks)
+        self.model_runner.initialize_kv_cache(kv_cache_config)
 
     def compile_or_warm_up_model(self) -> None:
         """Capture CUDA graphs once the KV cache exists (they read its addresses)."""

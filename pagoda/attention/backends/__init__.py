@@ -1,20 +1,47 @@
-"""Attention backends share one interface: `forward(query, key, value, kv_cache, metadata, scale)`."""
+"""Attention backends: each owns its KV layout, its per-step metadata and its layers' compute.
+
+A backend is a class (never instantiated) that says
+- `get_kv_cache_shape(num_blocks, spec)`: how a layer's cache tensor is shaped;
+- `get_builder_cls()`: the builder that turns a KV-cache group's common metadata into the
+  metadata its layers read (one builder per group, built once, called every step);
+- `get_impl_cls()`: the per-layer compute (`forward(query, key, value, kv_cache, metadata)`),
+  which holds the layer's constants: heads, scale, sliding window, logit soft-cap;
+- `cudagraph_support`: which batches a captured graph may replay (the runner takes the weakest
+  over the backends in use).
+The registry maps the names `DeviceConfig.attention_backend` accepts to backend classes,
+imported only when asked for.
+"""
 
 from __future__ import annotations
 
+import enum
+import importlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.kv_cache_interface import AttentionSpec
 
-ATTENTION_BACKENDS = ("torch", "triton")
+
+class CUDAGraphSupport(enum.IntEnum):
+    """Ordered weakest first, so the runner's mode is the minimum over its backends."""
+
+    NEVER = 0  # reads host-side metadata: every step runs eagerly
+    ALWAYS = 1  # reads only static device buffers: decode and mixed batches replay graphs
 
 
-class AttentionBackend(Protocol):
-    name: str
+@dataclass(frozen=True)
+class AttentionLimits:
+    """What a builder may size its workspace by: this rank's query heads and the runner's limits."""
 
+    num_heads: int
+    max_num_seqs: int
+    max_model_len: int
+
+
+class AttentionImpl(Protocol):
     def forward(
         self,
         query: torch.Tensor,
@@ -22,39 +49,43 @@ class AttentionBackend(Protocol):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes K/V at metadata.slot_mapping."""
+        ...
 
 
-@dataclass
-class AttentionShape:
-    """What a backend may size its workspace by (per-rank head counts)."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    max_num_seqs: int
-    max_model_len: int
+class AttentionMetadataBuilder(Protocol):
+    def build(self, common: AttentionMetadata) -> AttentionMetadata:
+        """The metadata of one group's layers for this step (views of static buffers only)."""
+        ...
 
 
-def get_attention_backend(
-    name: str, shape: AttentionShape | None = None, device: torch.device | None = None
-) -> AttentionBackend:
-    if name == "torch":
-        from pagoda.attention.backends.torch_ref import TorchAttentionBackend
+class AttentionBackend:
+    name: ClassVar[str]
+    cudagraph_support: ClassVar[CUDAGraphSupport]
 
-        return TorchAttentionBackend()
-    if name == "triton":
-        from pagoda.attention.backends.triton import TritonAttentionBackend
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, spec: AttentionSpec) -> tuple[int, ...]:
+        """K and V together: [2, num_blocks, block_size, num_kv_heads, head_size]."""
+        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
 
-        if shape is None or device is None:
-            raise ValueError("the triton attention backend needs the attention shape and device")
-        return TritonAttentionBackend(
-            num_heads=shape.num_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_size=shape.head_size,
-            max_num_seqs=shape.max_num_seqs,
-            max_model_len=shape.max_model_len,
-            device=device,
-        )
-    raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {name!r}")
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        raise NotImplementedError
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        raise NotImplementedError
+
+
+ATTENTION_BACKENDS = {
+    "torch": "pagoda.attention.backends.torch_ref:TorchAttentionBackend",
+    "triton": "pagoda.attention.backends.triton:TritonAttentionBackend",
+}
+
+
+def get_attention_backend(name: str) -> type[AttentionBackend]:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {name!r}")
+    module, attr = ATTENTION_BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), attr)

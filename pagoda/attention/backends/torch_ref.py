@@ -4,15 +4,21 @@ Runs on any device and is the yardstick for every faster backend and kernel. It 
 back through the block table exactly as a kernel would. Decode rows (one query token) are
 computed together in one padded batch; rows with longer queries (prefill chunks) get one
 SDPA call each. GQA never copies K/V: the query heads of a group are folded into the query
-length instead.
+length instead. A sliding window masks keys older than the window (their blocks may already
+belong to another request, so they are zeroed before use), and a logit soft-cap squashes
+scores with cap * tanh(score / cap) before the softmax.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 
+from pagoda.attention.backends import AttentionBackend, AttentionLimits, CUDAGraphSupport
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.kv_cache_interface import AttentionSpec
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -34,8 +40,22 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
     return k, v
 
 
-class TorchAttentionBackend:
-    name = "torch"
+class TorchAttentionImpl:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(
         self,
@@ -44,7 +64,6 @@ class TorchAttentionBackend:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D], kv_cache [2, blocks, block_size, Hkv, D].
 
@@ -57,53 +76,73 @@ class TorchAttentionBackend:
         seq_lens = metadata.seq_lens_cpu[: metadata.num_reqs]
         decode_rows = torch.nonzero(query_lens == 1).flatten()
         if len(decode_rows):
-            self._decode(query, kv_cache, metadata, scale, out, decode_rows, starts, seq_lens)
+            token_index = starts[decode_rows].to(query.device)
+            row_seq_lens = seq_lens[decode_rows]
+            k, v = gather_kv(kv_cache, metadata.block_table[decode_rows.to(query.device)], int(row_seq_lens.max()))
+            out[token_index] = self._attend(query[token_index][:, None], k, v, row_seq_lens)[:, 0]
         for row in torch.nonzero(query_lens > 1).flatten().tolist():
             q_start, q_end, seq_len = int(starts[row]), int(starts[row + 1]), int(seq_lens[row])
             k, v = gather_kv(kv_cache, metadata.block_table[row : row + 1], seq_len)
-            out[q_start:q_end] = _attend(query[q_start:q_end][None], k, v, scale, seq_lens[row : row + 1])[0]
+            out[q_start:q_end] = self._attend(query[q_start:q_end][None], k, v, seq_lens[row : row + 1])[0]
         return out
 
-    def _decode(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        out: torch.Tensor,
-        rows: torch.Tensor,
-        starts: torch.Tensor,
-        seq_lens: torch.Tensor,
-    ) -> None:
-        """All one-token queries at once, padded to the longest context among them."""
-        token_index = starts[rows].to(query.device)
-        row_seq_lens = seq_lens[rows]
-        k, v = gather_kv(kv_cache, metadata.block_table[rows.to(query.device)], int(row_seq_lens.max()))
-        out[token_index] = _attend(query[token_index][:, None], k, v, scale, row_seq_lens)[:, 0]
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the last q_len positions of each row over its seq_len keys.
+
+        q [B, q_len, H, D], k/v [B, L, Hkv, D] (L >= every seq_len) -> [B, q_len, H, D].
+        """
+        batch, q_len, num_heads, head_size = q.shape
+        num_kv_heads, kv_len = k.shape[2], k.shape[1]
+        group = num_heads // num_kv_heads
+        # [B, Hkv, group * q_len, D]: query heads h = kv_head * group + g share their KV head.
+        q = (
+            q.view(batch, q_len, num_kv_heads, group, head_size)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(batch, num_kv_heads, group * q_len, head_size)
+        )
+        seq_lens = seq_lens.to(q.device)
+        q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)  # [B, q_len]
+        kv_pos = torch.arange(kv_len, device=q.device)
+        mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [B, q_len, L]; also masks kv_pos >= seq_len
+        if self.sliding_window:
+            mask &= kv_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+            # Keys before every query's window may sit in blocks handed to another request.
+            seen = mask.any(1)[:, :, None, None]  # [B, L, 1, 1]
+            k, v = torch.where(seen, k, 0), torch.where(seen, v, 0)
+        mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * q_len, L]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if self.logits_soft_cap:
+            cap = self.logits_soft_cap
+            scores = torch.tanh(q @ k.transpose(-1, -2) * (self.scale / cap)) * cap
+            o = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return (
+            o.view(batch, num_kv_heads, group, q_len, head_size)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(batch, q_len, num_heads, head_size)
+        )
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Causal attention of the last q_len positions of each row over its seq_len keys.
+class TorchMetadataBuilder:
+    """The reference reads the common metadata as it is (host copies included)."""
 
-    q [B, q_len, H, D], k/v [B, L, Hkv, D] (L >= every seq_len) -> [B, q_len, H, D].
-    """
-    batch, q_len, num_heads, head_size = q.shape
-    num_kv_heads, kv_len = k.shape[2], k.shape[1]
-    group = num_heads // num_kv_heads
-    # [B, Hkv, group * q_len, D]: query heads h = kv_head * group + g share their KV head.
-    q = (
-        q.view(batch, q_len, num_kv_heads, group, head_size)
-        .permute(0, 2, 3, 1, 4)
-        .reshape(batch, num_kv_heads, group * q_len, head_size)
-    )
-    seq_lens = seq_lens.to(q.device)
-    q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)  # [B, q_len]
-    kv_pos = torch.arange(kv_len, device=q.device)
-    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [B, q_len, L]; also masks kv_pos >= seq_len
-    mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * q_len, L]
-    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-    return (
-        o.view(batch, num_kv_heads, group, q_len, head_size)
-        .permute(0, 3, 1, 2, 4)
-        .reshape(batch, q_len, num_heads, head_size)
-    )
+    def __init__(self, spec: AttentionSpec, limits: AttentionLimits, device: torch.device) -> None:
+        self.spec = spec
+
+    def build(self, common: AttentionMetadata) -> AttentionMetadata:
+        return common
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+    # Plans on the host from the CPU copies of the lengths: nothing a graph could replay.
+    cudagraph_support: ClassVar[CUDAGraphSupport] = CUDAGraphSupport.NEVER
+
+    @classmethod
+    def get_impl_cls(cls) -> type[TorchAttentionImpl]:
+        return TorchAttentionImpl
+
+    @classmethod
+    def get_builder_cls(cls) -> type[TorchMetadataBuilder]:
+        return TorchMetadataBuilder

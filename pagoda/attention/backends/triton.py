@@ -1,18 +1,24 @@
 """The Triton paged-attention backend: KV write plus one unified attention launch per layer.
 
 Decode batches (max_query_len == 1) split long KV ranges across programs (flash decoding) when
-the batch alone cannot fill the GPU. The split count depends only on the padded batch size and
-max_model_len, and the partial results live in a workspace allocated here once, so a CUDA graph
-captured per batch size replays correctly at any sequence length.
+the batch alone cannot fill the GPU. The builder picks the split count from the padded batch
+size and the longest key range a query can read (max_model_len, or the window of a
+sliding-window group) only, and the partial results live in a workspace it allocates once, so
+a CUDA graph captured per batch size replays correctly at any sequence length.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
+from pagoda.attention.backends import AttentionBackend, AttentionLimits, CUDAGraphSupport
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from pagoda.attention.ops.triton_unified_attention import SplitKWorkspace, choose_num_kv_splits, unified_attention
+from pagoda.kv_cache_interface import AttentionSpec, SlidingWindowSpec
 
 # Split planning on a device without SMs to count (the CPU interpreter): small, so tests split.
 FALLBACK_NUM_SMS = 16
@@ -24,38 +30,59 @@ def _num_sms(device: torch.device) -> int:
     return FALLBACK_NUM_SMS
 
 
-class TritonAttentionBackend:
-    """Per-rank head counts; one instance serves every layer (the workspace is reused per launch)."""
+@dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    """The common metadata plus this step's split-K plan."""
 
-    name = "triton"
+    num_kv_splits: int = 1
+    workspace: SplitKWorkspace | None = None
 
-    def __init__(
-        self,
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_size: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        device: torch.device | str,
-    ) -> None:
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_size = head_size
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        device = torch.device(device)
-        self.num_sms = _num_sms(device)
-        max_rows_x_splits = max(rows * self.num_kv_splits(rows) for rows in range(1, max_num_seqs + 1))
-        self.workspace = SplitKWorkspace.allocate(max_rows_x_splits, num_heads, head_size, device)
+
+class TritonMetadataBuilder:
+    """One per KV-cache group; owns the group's split-K workspace (its layers run one by one)."""
+
+    def __init__(self, spec: AttentionSpec, limits: AttentionLimits, device: torch.device | str) -> None:
+        self.num_kv_heads = spec.num_kv_heads
+        self.max_num_seqs = limits.max_num_seqs
+        # The most keys one query reads: splits shorter than that are pointless.
+        self.max_keys = limits.max_model_len
+        if isinstance(spec, SlidingWindowSpec):
+            self.max_keys = min(self.max_keys, spec.sliding_window)
+        self.num_sms = _num_sms(torch.device(device))
+        max_rows_x_splits = max(rows * self.num_kv_splits(rows) for rows in range(1, limits.max_num_seqs + 1))
+        self.workspace = SplitKWorkspace.allocate(max_rows_x_splits, limits.num_heads, spec.head_size, device)
 
     def num_kv_splits(self, num_rows: int) -> int:
         """Splits for a decode launch of `num_rows` (padded) rows; 1 beyond max_num_seqs."""
         if num_rows > self.max_num_seqs:
             return 1
-        return choose_num_kv_splits(num_rows, self.num_kv_heads, self.max_model_len, self.num_sms)
+        return choose_num_kv_splits(num_rows, self.num_kv_heads, self.max_keys, self.num_sms)
+
+    def build(self, common: AttentionMetadata) -> TritonAttentionMetadata:
+        num_input_tokens = common.slot_mapping.shape[0]
+        num_splits = self.num_kv_splits(num_input_tokens) if common.max_query_len == 1 else 1
+        return TritonAttentionMetadata(
+            **{name: getattr(common, name) for name in AttentionMetadata.__dataclass_fields__},
+            num_kv_splits=num_splits,
+            workspace=self.workspace if num_splits > 1 else None,
+        )
+
+
+class TritonAttentionImpl:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(
         self,
@@ -63,8 +90,7 @@ class TritonAttentionBackend:
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
+        metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D], kv_cache [2, blocks, block_size, Hkv, D] -> [T, H, D].
 
@@ -72,6 +98,28 @@ class TritonAttentionBackend:
         """
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
-        num_splits = self.num_kv_splits(query.shape[0]) if metadata.max_query_len == 1 else 1
-        unified_attention(query, kv_cache, metadata, scale, out, num_splits, self.workspace)
+        unified_attention(
+            query,
+            kv_cache,
+            metadata,
+            self.scale,
+            out,
+            metadata.num_kv_splits,
+            metadata.workspace,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        )
         return out
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    cudagraph_support: ClassVar[CUDAGraphSupport] = CUDAGraphSupport.ALWAYS
+
+    @classmethod
+    def get_impl_cls(cls) -> type[TritonAttentionImpl]:
+        return TritonAttentionImpl
+
+    @classmethod
+    def get_builder_cls(cls) -> type[TritonMetadataBuilder]:
+        return TritonMetadataBuilder

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pagoda.attention.backends import AttentionBackend
-from pagoda.config import ConfigError, ModelConfig
+from pagoda.config import ModelConfig
 from pagoda.model.loader.dummy import init_dummy_weights
 from pagoda.model.loader.safetensors_loader import iter_safetensors_weights
 from pagoda.model.registry import get_model_class
@@ -25,26 +25,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-def active_sliding_window(hf_config: object) -> int | None:
-    """The attention window of the config's sliding-window layers, None if no layer slides."""
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    return window if getattr(hf_config, "use_sliding_window", True) else None
-
-
-def _check_attention_fits(model_config: ModelConfig) -> None:
-    """Sliding-window attention is not implemented: full attention is exact only within the window."""
-    window = active_sliding_window(model_config.hf_config)
-    max_model_len = model_config.max_model_len or model_config.derived_max_model_len
-    if window is not None and max_model_len > window:
-        raise ConfigError(
-            f"max_model_len must be <= {window} (the model's sliding_window; sliding-window attention "
-            f"is not supported), got {max_model_len}"
-        )
 
 
 def iter_checkpoint_weights(path: str, hf_config: object) -> Iterator[tuple[str, torch.Tensor]]:
@@ -76,14 +56,13 @@ def load_weights_from_source(model: nn.Module, model_config: ModelConfig) -> Non
     check_weights_complete(model, loaded, model_config.model)
 
 
-def get_model(model_config: ModelConfig, attn_backend: AttentionBackend, device: torch.device | str) -> nn.Module:
+def get_model(model_config: ModelConfig, attn_backend: type[AttentionBackend], device: torch.device | str) -> nn.Module:
     """The model of `model_config` (resolved: model, load_format, hf_config, dtype), in eval mode.
 
     Parameters are allocated directly on `device` in `model_config.dtype`; checkpoint tensors
     stream in one at a time. Raises if any parameter is left without a checkpoint tensor.
     """
     model_class = get_model_class(model_config.hf_config)
-    _check_attention_fits(model_config)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_class(model_config.hf_config, attn_backend)
     load_weights_from_source(model, model_config)

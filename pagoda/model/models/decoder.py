@@ -1,7 +1,8 @@
 """The Llama-style decoder that Llama, Mistral, Qwen2 and Qwen3 share.
 
 pre-norm blocks of (attention with RoPE and GQA, SwiGLU MLP), tokens flat: T tokens of many
-requests concatenated, with `AttentionMetadata` telling attention which are whose. The models
+requests concatenated, with the step's `ForwardContext` giving each attention layer its cache
+and metadata (which tokens are whose). The models
 differ only in `DecoderOptions` (biases, per-head q/k norm), chosen from the HF config by each
 subclass's `decoder_options`.
 
@@ -22,8 +23,8 @@ from transformers import PretrainedConfig
 
 from pagoda.attention.backends import AttentionBackend
 from pagoda.attention.layer import Attention
-from pagoda.attention.metadata import AttentionMetadata
 from pagoda.distributed.parallel_state import get_parallel_state, get_pp_layer_range
+from pagoda.forward_context import ForwardContext
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
@@ -62,8 +63,27 @@ def head_size_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """The attention window of layer `layer_idx`, None for full attention: `layer_types` where
+    the config lists them (Qwen2, Gemma), else `sliding_window` on every layer (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        options: DecoderOptions,
+        attn_backend: type[AttentionBackend],
+        layer_idx: int,
+        prefix: str,
+    ) -> None:
         super().__init__()
         self.head_size = head_size_of(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -83,14 +103,15 @@ class DecoderAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             self.head_size**-0.5,
             attn_backend,
+            layer_name=f"{prefix}.attn",
+            sliding_window=layer_sliding_window(config, layer_idx),
         )
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        context: ForwardContext,
     ) -> torch.Tensor:
         q, k, v = rotate_qkv(
             self.qkv_proj(hidden_states),
@@ -100,7 +121,7 @@ class DecoderAttention(nn.Module):
             self.head_size,
             (self.q_norm, self.k_norm) if self.qk_norm else None,
         )
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        return self.o_proj(self.attn(q, k, v, context))
 
 
 class DecoderMLP(nn.Module):
@@ -118,10 +139,17 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        options: DecoderOptions,
+        attn_backend: type[AttentionBackend],
+        layer_idx: int,
+        prefix: str,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, options, attn_backend)
+        self.self_attn = DecoderAttention(config, options, attn_backend, layer_idx, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config, options)
 
@@ -130,8 +158,7 @@ class DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        context: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it); their sum is the stream after."""
         if residual is None:
@@ -139,13 +166,15 @@ class DecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos_sin, kv_cache, attn_metadata)
+        hidden_states = self.self_attn(hidden_states, cos_sin, context)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: PretrainedConfig, options: DecoderOptions, attn_backend: type[AttentionBackend], prefix: str
+    ) -> None:
         super().__init__()
         state = get_parallel_state()
         self.is_first_stage, self.is_last_stage = state.is_first_pp_rank, state.is_last_pp_rank
@@ -156,7 +185,9 @@ class DecoderModel(nn.Module):
         theta, scaling = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(head_size_of(config), config.max_position_embeddings, theta, scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, options, attn_backend) if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            DecoderLayer(config, options, attn_backend, i, f"{prefix}.layers.{i}")
+            if self.start_layer <= i < self.end_layer
+            else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
@@ -165,20 +196,18 @@ class DecoderModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        context: ForwardContext,
         intermediate_tensors: IntermediateTensors | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        """`kv_caches` holds this stage's layers only; `intermediate_tensors` feeds every stage but the first."""
+        """`context` holds this stage's layers only; `intermediate_tensors` feeds every stage but the first."""
         if self.is_first_stage:
             hidden_states, residual = self.embed_tokens(input_ids), None
         else:
             assert intermediate_tensors is not None, "a later pipeline stage starts from the previous one's tensors"
             hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         cos_sin = self.rotary_emb(positions)
-        layers = self.layers[self.start_layer : self.end_layer]
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            hidden_states, residual = layer(hidden_states, residual, cos_sin, kv_cache, attn_metadata)
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            hidden_states, residual = layer(hidden_states, residual, cos_sin, context)
         if not self.is_last_stage:
             return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -188,10 +217,10 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """Base of the causal-LM classes; subclasses pick their `DecoderOptions`."""
 
-    def __init__(self, config: PretrainedConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.decoder_options(config), attn_backend)
+        self.model = DecoderModel(config, self.decoder_options(config), attn_backend, "model")
         is_first_stage, is_last_stage = self.model.is_first_stage, self.model.is_last_stage
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if is_last_stage else PPMissingLayer()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -214,13 +243,12 @@ class DecoderForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        context: ForwardContext,
         intermediate_tensors: IntermediateTensors | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [T] int64 -> hidden states [T, hidden] (last pipeline stage)
         or the tensors the next stage starts from."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
+        return self.model(input_ids, positions, context, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden states [N, hidden] -> float32 logits [N, vocab]."""

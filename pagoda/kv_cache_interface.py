@@ -1,0 +1,191 @@
+"""What each layer keeps in the KV cache, and how the cache is laid out: plain data only.
+
+Every attention (later: state) layer declares a `KVCacheSpec`. Layers with equal specs form a
+`KVCacheGroupSpec`; each group gets its own block table, but all groups draw their blocks from
+one pool (the hybrid-allocator idea): the cache is a list of `KVCacheTensor`s of `num_blocks`
+pages each, and tensor i is shared by the i-th layer of every group. A block id then names
+one page in every tensor and belongs to one group at a time, so a sliding-window group that
+holds few blocks per request leaves the rest of the pool to the full-attention groups.
+
+Sharing a tensor needs equal page sizes across groups. `unify_page_sizes` scales the block
+size of specs with smaller pages until their pages match the largest one (a state layer's
+page, megabytes per request, then sets the token granularity of the attention groups).
+
+This module is a leaf (torch only), so the scheduler, executor and runner can all read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One layer's cache: `block_size` tokens per block, `page_size_bytes` per block."""
+
+    block_size: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        raise NotImplementedError
+
+    def with_block_size(self, block_size: int) -> KVCacheSpec:
+        return dataclasses.replace(self, block_size=block_size)
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of up to `num_tokens` tokens, computed in chunks of at most
+        `max_chunk` tokens, holds at once."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AttentionSpec(KVCacheSpec):
+    """K and V of `num_kv_heads` heads of `head_size` per token (this rank's heads)."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def page_size_bytes(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * element
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    """Every token attends every earlier token: a request holds a block per block_size tokens."""
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        return -(num_tokens // -self.block_size)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """A token attends the `sliding_window` latest tokens (itself included), so blocks wholly
+    before the window of a request's next token can go back to the pool."""
+
+    sliding_window: int
+
+    def __post_init__(self) -> None:
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        # A chunk of C tokens reads the window before its first token too: window - 1 + C keys,
+        # which may straddle one more block boundary than they fill.
+        full = -(num_tokens // -self.block_size)
+        return min(full, -((self.sliding_window - 1 + max_chunk) // -self.block_size) + 1)
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers that share a spec, and so a block table."""
+
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+
+
+@dataclass(frozen=True)
+class KVCacheTensor:
+    """One buffer of `size_bytes` (num_blocks pages); the named layers (one per group) view it."""
+
+    size_bytes: int
+    shared_by: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The whole cache of one rank: how many blocks the pool has, the groups, the buffers."""
+
+    num_blocks: int
+    kv_cache_tensors: tuple[KVCacheTensor, ...]
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(group.kv_cache_spec.block_size for group in self.kv_cache_groups)
+
+    @property
+    def group_specs(self) -> tuple[KVCacheSpec, ...]:
+        return tuple(group.kv_cache_spec for group in self.kv_cache_groups)
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        """Pool blocks one request may hold at once across all groups (see KVCacheSpec)."""
+        return sum(spec.max_blocks_per_request(num_tokens, max_chunk) for spec in self.group_specs)
+
+    def describe(self) -> list[str]:
+        """One line per group (for the startup log): its spec, layers, blocks and tokens."""
+        lines = []
+        for gid, group in enumerate(self.kv_cache_groups):
+            spec = group.kv_cache_spec
+            window = f", window {spec.sliding_window}" if isinstance(spec, SlidingWindowSpec) else ""
+            lines.append(
+                f"group {gid}: {type(spec).__name__}{window}, block size {spec.block_size}, "
+                f"{len(group.layer_names)} layers ({', '.join(group.layer_names[:3])}"
+                f"{', ...' if len(group.layer_names) > 3 else ''}), up to {self.num_blocks - 1} blocks = "
+                f"{(self.num_blocks - 1) * spec.block_size} tokens"
+            )
+        return lines
+
+
+def unify_page_sizes(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """Scale block sizes so that every spec's page is as large as the largest page.
+
+    Raises ValueError when a page does not divide the largest one (no block size fits)."""
+    largest = max(spec.page_size_bytes for spec in specs.values())
+    unified = {}
+    for name, spec in specs.items():
+        page = spec.page_size_bytes
+        if largest % page:
+            raise ValueError(
+                f"layer {name!r}: its KV page of {page} bytes does not divide the largest page ({largest} bytes)"
+            )
+        unified[name] = spec if page == largest else spec.with_block_size(spec.block_size * (largest // page))
+    return unified
+
+
+def group_layers(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    """Layers of equal spec, in model order, cut into groups of equal size (the smallest
+    count of layers of one spec), so that every group has about as many layers as there are
+    shared tensors; the last group of a spec may be shorter."""
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in specs.items():
+        by_spec.setdefault(spec, []).append(name)
+    group_size = min(len(names) for names in by_spec.values())
+    # Close counts (e.g. 13 sliding and 14 full layers) are better as one group each than
+    # as 13 + 1: a one-layer group would waste its pages in every other tensor.
+    largest = max(len(names) for names in by_spec.values())
+    if largest * 2 < group_size * 3:
+        group_size = largest
+    groups = []
+    for spec, names in by_spec.items():
+        for start in range(0, len(names), group_size):
+            groups.append(KVCacheGroupSpec(tuple(names[start : start + group_size]), spec))
+    return groups
+
+
+def get_kv_cache_config(
+    specs: dict[str, KVCacheSpec], available_bytes: int, num_blocks: int | None = None
+) -> KVCacheConfig:
+    """The cache for `specs` ({layer name: spec}) within `available_bytes`, or with exactly
+    `num_blocks` blocks when given. Block 0 of the pool is the null block."""
+    if not specs:
+        raise ValueError("the model declares no KV cache layer")
+    specs = unify_page_sizes(specs)
+    groups = group_layers(specs)
+    page_size = next(iter(specs.values())).page_size_bytes
+    num_tensors = max(len(group.layer_names) for group in groups)
+    if num_blocks is None:
+        num_blocks = available_bytes // (page_size * num_tensors)
+    tensors = tuple(
+        KVCacheTensor(
+            size_bytes=page_size * num_blocks,
+            shared_by=tuple(group.layer_names[i] for group in groups if i < len(group.layer_names)),
+        )
+        for i in range(num_tensors)
+    )
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=tuple(groups))
