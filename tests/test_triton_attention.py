@@ -17,8 +17,9 @@ import torch
 
 pytest.importorskip("triton")  # conftest.py turns on its interpreter when there is no GPU
 
-from pagoda.attention.backends.torch_ref import TorchAttentionBackend
-from pagoda.attention.backends.triton import TritonAttentionBackend
+from pagoda.attention.backends import AttentionLimits
+from pagoda.attention.backends.torch_ref import TorchAttentionImpl
+from pagoda.attention.backends.triton import TritonAttentionImpl, TritonMetadataBuilder
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from pagoda.attention.ops.triton_unified_attention import (
@@ -26,6 +27,7 @@ from pagoda.attention.ops.triton_unified_attention import (
     choose_num_kv_splits,
     unified_attention,
 )
+from pagoda.kv_cache_interface import FullAttentionSpec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -111,10 +113,18 @@ def make_batch(
 def reference(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch backend output and cache, computed in float32 from the same (possibly rounded) inputs."""
     kv_cache = batch.kv_cache.float()
-    out = TorchAttentionBackend().forward(
-        batch.query.float(), batch.key.float(), batch.value.float(), kv_cache, batch.metadata, batch.scale
-    )
+    _, num_heads, head_size = batch.query.shape
+    impl = TorchAttentionImpl(num_heads, head_size, kv_cache.shape[-2], batch.scale)
+    out = impl.forward(batch.query.float(), batch.key.float(), batch.value.float(), kv_cache, batch.metadata)
     return out, kv_cache
+
+
+def triton_builder(
+    num_heads: int, num_kv_heads: int, head_size: int, max_num_seqs: int, max_model_len: int
+) -> TritonMetadataBuilder:
+    """The Triton backend's metadata builder of one full-attention group (it plans split-K)."""
+    spec = FullAttentionSpec(16, num_kv_heads, head_size, torch.float32)
+    return TritonMetadataBuilder(spec, AttentionLimits(num_heads, max_num_seqs, max_model_len), DEVICE)
 
 
 def run_triton(batch: Batch, num_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,9 +267,7 @@ def test_choose_num_kv_splits_depends_on_static_sizes_only() -> None:
 
 
 def test_backend_workspace_fits_every_decode_size() -> None:
-    backend = TritonAttentionBackend(
-        num_heads=4, num_kv_heads=2, head_size=64, max_num_seqs=9, max_model_len=4096, device=DEVICE
-    )
+    backend = triton_builder(num_heads=4, num_kv_heads=2, head_size=64, max_num_seqs=9, max_model_len=4096)
     assert backend.num_kv_splits(1) > 1
     for rows in range(1, 10):
         assert backend.workspace.fits(rows * backend.num_kv_splits(rows), 4, 64)
@@ -269,13 +277,13 @@ def test_backend_workspace_fits_every_decode_size() -> None:
 @pytest.mark.parametrize(("query_lens", "context_lens"), [([1, 1, 1], [70, 3, 16]), ([1, 9, 1], [5, 30, 0])])
 def test_backend_forward_matches_reference(query_lens: list[int], context_lens: list[int]) -> None:
     batch = make_batch(query_lens, context_lens, num_pad_tokens=1, num_pad_reqs=1)
-    backend = TritonAttentionBackend(
-        num_heads=4, num_kv_heads=2, head_size=64, max_num_seqs=4, max_model_len=512, device=DEVICE
-    )
+    builder = triton_builder(num_heads=4, num_kv_heads=2, head_size=64, max_num_seqs=4, max_model_len=512)
+    metadata = builder.build(batch.metadata)
     if batch.metadata.max_query_len == 1:
-        assert backend.num_kv_splits(batch.query.shape[0]) > 1, "the decode case must take the split-K path"
+        assert metadata.num_kv_splits > 1, "the decode case must take the split-K path"
     kv_cache = batch.kv_cache.clone()
-    out = backend.forward(batch.query, batch.key, batch.value, kv_cache, batch.metadata, batch.scale)
+    impl = TritonAttentionImpl(4, 64, 2, batch.scale)
+    out = impl.forward(batch.query, batch.key, batch.value, kv_cache, metadata)
     ref, ref_cache = reference(batch)
     n = batch.num_actual_tokens
     torch.testing.assert_close(out[:n], ref[:n], atol=1e-4, rtol=1e-4)
@@ -314,13 +322,12 @@ def test_gpu_decode_sweep(dtype: torch.dtype, head_size: int, group: int) -> Non
             num_pad_tokens=3,
             num_pad_reqs=3,
         )
-        backend = TritonAttentionBackend(
+        backend = triton_builder(
             num_heads=num_kv_heads * group,
             num_kv_heads=num_kv_heads,
             head_size=head_size,
             max_num_seqs=512,
             max_model_len=32768,
-            device=DEVICE,
         )
         for num_splits in {1, backend.num_kv_splits(batch.query.shape[0])}:
             check(batch, num_splits=num_splits, rel_tol=rel_tol)
@@ -346,15 +353,14 @@ def test_gpu_mixed_sweep(dtype: torch.dtype, head_size: int, group: int) -> None
 def test_gpu_decode_graph_replays_with_new_lengths() -> None:
     """Captured once on static buffers, the decode step stays right when lengths, blocks and slots change."""
     num_rows, num_kv_heads, group, head_size, block_size, max_model_len = 4, 8, 2, 128, 16, 8192
-    backend = TritonAttentionBackend(
+    builder = triton_builder(
         num_heads=num_kv_heads * group,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
         max_num_seqs=num_rows,
         max_model_len=max_model_len,
-        device=DEVICE,
     )
-    assert backend.num_kv_splits(num_rows) > 1
+    assert builder.num_kv_splits(num_rows) > 1
     # Three real requests and one padded row; each step's data comes from a fresh batch.
     steps = [
         make_batch([1] * 3, lens, num_kv_heads=num_kv_heads, group=group, head_size=head_size, dtype=torch.bfloat16)
@@ -381,8 +387,10 @@ def test_gpu_decode_graph_replays_with_new_lengths() -> None:
         seq_lens_cpu=seq_lens,
     )
 
+    impl = TritonAttentionImpl(num_kv_heads * group, head_size, num_kv_heads, head_size**-0.5)
+
     def forward() -> torch.Tensor:
-        return backend.forward(query, key, value, kv_cache, metadata, head_size**-0.5)
+        return impl.forward(query, key, value, kv_cache, builder.build(metadata))
 
     forward()
     torch.cuda.synchronize()
