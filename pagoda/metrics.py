@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagoda.outputs import RequestOutput
-from pagoda.scheduler.scheduler import SchedulerStats
+from pagoda.outputs import RequestOutput, SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

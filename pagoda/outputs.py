@@ -20,6 +20,53 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
+class RequestStatus(enum.IntEnum):
+    """Where a request stands in the engine core. The scheduler moves it through the first
+    three; the front end names a finished one when it ends a request for a reason only it can
+    see (`EngineCore.finish_requests`: a stop string, a failed output)."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Every status after PREEMPTED is a finished one.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's figures after a step, as the engine core reports them (to the server's metrics)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
 @dataclass
 class Logprob:
     """One token's log probability (per the sampler's logprobs_mode), its rank in the

@@ -22,8 +22,7 @@ from pagoda import SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.engine.arg_utils import create_engine_config
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import RequestOutput
-from pagoda.scheduler.request import RequestStatus
+from pagoda.outputs import RequestOutput, RequestStatus
 
 PROMPT = list(range(1, 31))  # 30 tokens: 3 full blocks of 8, then a partial one
 OTHER_PROMPT = list(range(100, 118))

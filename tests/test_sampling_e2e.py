@@ -12,6 +12,7 @@ test ends with the engine's idle check. The HF comparisons also run on CUDA with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -21,8 +22,11 @@ from model_utils import assert_greedy_match, save_tiny_checkpoint
 from sampling_utils import reference_processed_logits
 
 from pagoda import LLM, SamplingParams
+from pagoda.engine.core_request import EngineCoreRequest
+from pagoda.engine.parallel_sampling import ParentRequest
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import Logprob, RequestOutput
+from pagoda.scheduler.request import Request
 
 # float32 engine vs float64 reference on logits of magnitude ~10: errors ~1e-5.
 LOGPROB_TOL = 1e-4
@@ -285,6 +289,44 @@ def test_parallel_samples_share_the_prompt_blocks(tiny_model) -> None:
     assert single.outputs[0].token_ids == final.outputs[0].token_ids, "sample 0 of n is the n = 1 request"
     (greedy,) = generate(llm, [prompt], SamplingParams(n=3, temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1, "greedy samples agree"
+
+
+def test_the_front_end_sends_the_core_a_frozen_message(tiny_model) -> None:
+    """The processor's `EngineCoreRequest` is frozen plain data; the core builds its own
+    `Request` from it, and parallel samples are copies of the parent's message."""
+    path, _ = tiny_model
+    llm = LLM(model=path, **ENGINE, block_size=4)
+    prompt = make_prompts(10, [12])[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True)
+    message, _ = llm.llm_engine.process(prompt, params, cache_salt="tenant")
+    assert isinstance(message, EngineCoreRequest)
+    assert message.prompt_token_ids == tuple(prompt) and message.eos_token_ids == frozenset()
+    assert message.cache_salt == "tenant" and message.sampling_params.n == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        message.request_id = "other"  # type: ignore[misc]
+
+    request = Request.from_engine_core_request(message)
+    assert (request.request_id, request.prompt_token_ids, request.cache_salt, request.arrival_time) == (
+        message.request_id,
+        prompt,
+        "tenant",
+        message.arrival_time,
+    )
+    request.append_output_token(1)
+    assert message.prompt_token_ids == tuple(prompt), "the core's token history is its own"
+
+    children = ParentRequest(message, None, share_prompt_blocks=False).requests_to_add_now()
+    assert [child.request_id for child in children] == [f"{i}_{message.request_id}" for i in range(3)]
+    assert all(isinstance(child, EngineCoreRequest) for child in children)
+    assert all(
+        (child.prompt_token_ids, child.eos_token_ids, child.cache_salt, child.arrival_time)
+        == (message.prompt_token_ids, message.eos_token_ids, "tenant", message.arrival_time)
+        for child in children
+    )
+    assert [child.sampling_params.n for child in children] == [1, 1, 1]
+    assert children[0].sampling_params.seed == 5 and len({child.sampling_params.seed for child in children}) == 3
+    assert message.sampling_params.n == 3 and message.sampling_params.seed == 5, "the parent's message is unchanged"
+    llm.llm_engine.check_idle()
 
 
 def test_aborting_the_parent_aborts_every_parallel_sample(tiny_model) -> None:

@@ -29,10 +29,9 @@ import zmq.asyncio
 from pagoda.config import EngineConfig
 from pagoda.engine.core_messages import CommandKind, CoreCommand, CoreFailed, CoreReady, CoreReport, UtilityResult
 from pagoda.engine.core_proc import open_socket, run_engine_core, send
+from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.engine.errors import EngineDeadError
-from pagoda.outputs import EngineCoreOutput
-from pagoda.scheduler.request import Request, RequestStatus
-from pagoda.scheduler.scheduler import SchedulerStats
+from pagoda.outputs import EngineCoreOutput, RequestStatus, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ class EngineCoreClient:
 
     # ---- EngineCore's interface ----------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         self._send(CoreCommand(CommandKind.ADD, request=request))
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -12,9 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.outputs import EngineCoreOutput
-from pagoda.scheduler.request import Request, RequestStatus
-from pagoda.scheduler.scheduler import SchedulerStats
+from pagoda.engine.core_request import EngineCoreRequest
+from pagoda.outputs import EngineCoreOutput, RequestStatus, SchedulerStats
 
 
 class CommandKind(enum.Enum):
@@ -29,7 +28,7 @@ class CommandKind(enum.Enum):
 @dataclass
 class CoreCommand:
     kind: CommandKind
-    request: Request | None = None
+    request: EngineCoreRequest | None = None
     request_ids: list[str] = field(default_factory=list)
     status: RequestStatus | None = None
     method: str = ""

@@ -4,8 +4,8 @@ The server process does HTTP, tokenization and detokenization; this process does
 drive `EngineCore`, so none of that work ever holds the GIL the device loop needs.
 
 Transport: ZeroMQ PUSH/PULL over ipc files in a private (0700) directory, messages pickled.
-Both ends are this codebase, and pickle carries `Request` and `SamplingParams` whole as they
-grow new fields, where a msgspec schema would have to mirror each one.
+Both ends are this codebase, and pickle carries `EngineCoreRequest` and `SamplingParams` whole
+as they grow new fields, where a msgspec schema would have to mirror each one.
 
 Any exception in a step (the model forward) ends the process: it sends `CoreFailed` with
 the traceback and exits 1, and the client fails every request in flight. For fault-injection

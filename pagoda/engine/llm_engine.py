@@ -17,15 +17,15 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
+from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.parallel_sampling import ParentRequest
 from pagoda.engine.processor import Processor, PromptType
 from pagoda.errors import InvalidRequestError
 from pagoda.model.loader import get_eos_token_ids, load_tokenizer
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import RequestOutput, RequestStatus
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
-    ) -> tuple[Request, str | None]:
+    ) -> tuple[EngineCoreRequest, str | None]:
         """Validate and tokenize without queueing (so a batch can be checked whole first).
 
         `cache_salt` keys the request's prefix-cache blocks: only requests with the same salt
@@ -85,16 +85,14 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt", "cache_salt must be a non-empty string")
-        request, prompt_text = self.processor.process(request_id, prompt, params)
-        request.cache_salt = cache_salt
-        return request, prompt_text
+        return self.processor.process(request_id, prompt, params, cache_salt)
 
-    def enqueue(self, request: Request, prompt_text: str | None) -> None:
+    def enqueue(self, request: EngineCoreRequest, prompt_text: str | None) -> None:
         """Queue a processed request; one with n > 1 as n child requests (see parallel_sampling)."""
         if request.sampling_params.n == 1:
             self._add_to_core([request])
             self.output_processor.add_request(
-                request.request_id, prompt_text, request.prompt_token_ids, request.sampling_params
+                request.request_id, prompt_text, list(request.prompt_token_ids), request.sampling_params
             )
             return
         cache_config = self.config.cache_config
@@ -104,7 +102,7 @@ class LLMEngine:
         self._add_to_core(parent.requests_to_add_now())
         self.output_processor.add_parent_request(parent)
 
-    def _add_to_core(self, requests: list[Request]) -> None:
+    def _add_to_core(self, requests: list[EngineCoreRequest]) -> None:
         added: list[str] = []
         try:
             for request in requests:

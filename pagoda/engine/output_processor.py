@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagoda.engine.logprobs import to_logprob_dicts
 from pagoda.engine.parallel_sampling import ParentRequest, request_metrics
@@ -32,7 +33,6 @@ from pagoda.outputs import (
     SampleLogprobs,
 )
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
         # Children of parallel samples that may join the core now (see `take_released_requests`).
-        self._released: list[Request] = []
+        self._released: list[EngineCoreRequest] = []
 
     def add_request(
         self,
@@ -130,7 +130,7 @@ class OutputProcessor:
         self.parent_requests[parent.request_id] = parent
         for index, child in enumerate(parent.children):
             self.add_request(
-                child.request_id, parent.prompt, child.prompt_token_ids, child.sampling_params, parent, index
+                child.request_id, parent.prompt, parent.prompt_token_ids, child.sampling_params, parent, index
             )
 
     def has_request(self, request_id: str) -> bool:
@@ -145,7 +145,7 @@ class OutputProcessor:
             core_ids.extend(parent.child_ids if parent is not None else [request_id])
         return core_ids
 
-    def take_released_requests(self) -> list[Request]:
+    def take_released_requests(self) -> list[EngineCoreRequest]:
         """Parallel samples that waited for their prompt's blocks and may now be added to the core."""
         released, self._released = self._released, []
         return released

@@ -18,9 +18,9 @@ from dataclasses import replace
 
 import torch
 
+from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from pagoda.sample.ops import row_keys
-from pagoda.scheduler.request import Request
 
 
 def request_metrics(arrival_time: float, first_token_time: float | None) -> dict[str, float]:
@@ -40,25 +40,24 @@ def child_seed(seed: int, index: int) -> int:
 
 
 class ParentRequest:
-    def __init__(self, request: Request, prompt: str | None, share_prompt_blocks: bool) -> None:
+    def __init__(self, request: EngineCoreRequest, prompt: str | None, share_prompt_blocks: bool) -> None:
         params = request.sampling_params
         self.request_id = request.request_id
         self.prompt = prompt
-        self.prompt_token_ids = request.prompt_token_ids
+        self.prompt_token_ids = list(request.prompt_token_ids)
         self.n = params.n
+        # The parent's message with the child's id and sampling params (prompt, EOS ids,
+        # arrival time and cache salt shared).
         self.children = [
-            Request(
+            replace(
+                request,
                 request_id=self.child_id(index),
-                prompt_token_ids=request.prompt_token_ids,
                 sampling_params=replace(
                     params.clone(),
                     n=1,
                     seed=None if params.seed is None else child_seed(params.seed, index),
                     prompt_logprobs=params.prompt_logprobs if index == 0 else None,
                 ),
-                eos_token_ids=request.eos_token_ids,
-                arrival_time=request.arrival_time,
-                cache_salt=request.cache_salt,
             )
             for index in range(self.n)
         ]
@@ -76,12 +75,12 @@ class ParentRequest:
     def child_ids(self) -> list[str]:
         return [child.request_id for child in self.children]
 
-    def requests_to_add_now(self) -> list[Request]:
+    def requests_to_add_now(self) -> list[EngineCoreRequest]:
         return [child for child in self.children if child not in self._waiting]
 
     def record(
         self, index: int, completion: CompletionOutput, prompt_logprobs: PromptLogprobs | None, now: float
-    ) -> list[Request]:
+    ) -> list[EngineCoreRequest]:
         """Take child `index`'s latest completion; returns the children that may join the core now."""
         self.completions[index] = completion
         if prompt_logprobs is not None:
@@ -90,7 +89,7 @@ class ParentRequest:
             self.first_token_time = now
         if completion.finished:  # ended before it joined the core (aborted): it never will
             self._waiting = [child for child in self._waiting if child.request_id != self.child_id(index)]
-        released: list[Request] = []
+        released: list[EngineCoreRequest] = []
         if index == 0 and (completion.token_ids or completion.finished):
             released, self._waiting = self._waiting, []
         return released

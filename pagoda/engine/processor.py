@@ -1,17 +1,20 @@
 """Validates and tokenizes a request before it reaches the core.
 
 Everything a user can get wrong is caught here, with an error naming the field and the
-limit, so a bad request never enters the scheduler and never disturbs the others.
+limit, so a bad request never enters the scheduler and never disturbs the others. What
+passes becomes an `EngineCoreRequest`, the plain message the core builds its own request from.
 """
 
 from __future__ import annotations
 
+import time
+
 from transformers import PreTrainedTokenizerBase
 
 from pagoda.config import EngineConfig
+from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.errors import InvalidRequestError
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.request import Request
 
 PromptType = str | list[int]
 
@@ -40,7 +43,11 @@ class Processor:
             return None, list(prompt)
         raise InvalidRequestError("prompt", "prompt must be a string or a list of token ids")
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams) -> tuple[Request, str | None]:
+    def process(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, cache_salt: str | None = None
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """The checked request for the core, and the prompt's text (None when it came as token
+        ids or was truncated)."""
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         self._check_token_ids("prompt", prompt_token_ids)
         if not prompt_token_ids:
@@ -75,15 +82,17 @@ class Processor:
             if not sequence:
                 raise InvalidRequestError("bad_words", "bad_words must not contain a word with no tokens")
             self._check_token_ids("bad_words", sequence)
-        request = Request(
+        request = EngineCoreRequest(
             request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
+            prompt_token_ids=tuple(prompt_token_ids),
             sampling_params=params,
-            eos_token_ids=set() if params.ignore_eos else set(self.eos_token_ids),
+            eos_token_ids=frozenset() if params.ignore_eos else frozenset(self.eos_token_ids),
+            arrival_time=time.time(),
+            cache_salt=cache_salt,
         )
         return request, prompt_text
 
-    def check_fits_context(self, request: Request) -> None:
+    def check_fits_context(self, request: EngineCoreRequest) -> None:
         """Refuse a max_tokens that cannot fit after the prompt (a server's contract; offline
         generation instead stops at max_model_len with finish reason "length")."""
         max_tokens = request.sampling_params.max_tokens

@@ -6,39 +6,15 @@ and the request's status; the token history grows as sampled tokens come back.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from pagoda.outputs import FinishReason
+from pagoda.outputs import RequestStatus
 from pagoda.sampling_params import SamplingParams
 
-
-class RequestStatus(enum.IntEnum):
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
-    # Every status after PREEMPTED is a finished one.
-    FINISHED_STOPPED = enum.auto()
-    FINISHED_LENGTH_CAPPED = enum.auto()
-    FINISHED_ABORTED = enum.auto()
-    FINISHED_ERROR = enum.auto()
-
-    @property
-    def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
-
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return _FINISH_REASONS.get(self)
-
-
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
-    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
-    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
-}
+if TYPE_CHECKING:
+    from pagoda.engine.core_request import EngineCoreRequest
 
 
 class Request:
@@ -78,6 +54,18 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
         self.num_preemptions = 0
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
+        """The scheduler's request for a request the front end sent (see `EngineCoreRequest`)."""
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_ids=set(request.eos_token_ids),
+            arrival_time=request.arrival_time,
+            cache_salt=request.cache_salt,
+        )
 
     @property
     def num_tokens(self) -> int:
