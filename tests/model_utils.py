@@ -96,6 +96,9 @@ _COMMON = dict(
 )
 
 
+SLIDING_WINDOW = 8
+
+
 def _tiny_configs() -> dict[str, PretrainedConfig]:
     return {
         "llama3": LlamaConfig(
@@ -112,6 +115,16 @@ def _tiny_configs() -> dict[str, PretrainedConfig]:
         ),
         "llama-biased-tied": LlamaConfig(**_COMMON, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
         "mistral": MistralConfig(**_COMMON, sliding_window=None, rope_theta=1000.0),
+        # Windows of 8 tokens (two blocks of 4): prompts of 30-40 tokens are 4-5 windows long.
+        "mistral-sliding": MistralConfig(**_COMMON, sliding_window=SLIDING_WINDOW, rope_theta=1000.0),
+        # Layer 0 full, layer 1 sliding (max_window_layers=1): two KV-cache groups.
+        "qwen2-sliding": Qwen2Config(
+            **_COMMON,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW,
+            max_window_layers=1,
+            tie_word_embeddings=False,
+        ),
         "qwen2": Qwen2Config(**_COMMON, tie_word_embeddings=False),
         "qwen3": Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True),
     }
