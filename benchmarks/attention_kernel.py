@@ -17,9 +17,11 @@ import math
 import torch
 import triton
 
-from pagoda.attention.backends.triton import TritonAttentionBackend
+from pagoda.attention.backends import AttentionLimits
+from pagoda.attention.backends.triton import TritonMetadataBuilder
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.ops.triton_unified_attention import unified_attention
+from pagoda.kv_cache_interface import FullAttentionSpec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Each timed graph reads at least this much KV (in copies of the cache), well past the 50 MB L2.
@@ -49,7 +51,13 @@ def decode_metadata(batch: int, context: int, block_size: int, num_blocks: int) 
 
 
 def time_decode(
-    backend: TritonAttentionBackend, batch: int, context: int, block_size: int, dtype: torch.dtype
+    builder: TritonMetadataBuilder,
+    num_heads: int,
+    head_size: int,
+    batch: int,
+    context: int,
+    block_size: int,
+    dtype: torch.dtype,
 ) -> tuple[int, float, float]:
     """(splits the backend picks, microseconds per launch with them, without splitting).
 
@@ -57,21 +65,19 @@ def time_decode(
     not timed; the graph cycles through enough copies of the KV cache that none is L2-resident.
     """
     num_blocks = batch * triton.cdiv(context, block_size) + 1
-    kv_shape = (2, num_blocks, block_size, backend.num_kv_heads, backend.head_size)
+    kv_shape = (2, num_blocks, block_size, builder.num_kv_heads, head_size)
     kv_bytes = math.prod(kv_shape) * dtype.itemsize
     copies = min(MAX_COPIES, math.ceil(COLD_BYTES / kv_bytes))
     kv_caches = [torch.randn(kv_shape, dtype=dtype, device="cuda") for _ in range(copies)]
     metadata = decode_metadata(batch, context, block_size, num_blocks)
-    query = torch.randn(batch, backend.num_heads, backend.head_size, dtype=dtype, device="cuda")
+    query = torch.randn(batch, num_heads, head_size, dtype=dtype, device="cuda")
     out = torch.empty_like(query)
-    splits = backend.num_kv_splits(batch)
+    splits = builder.num_kv_splits(batch)
 
     def time_graph(num_splits: int) -> float:
         def attention() -> None:
             for kv_cache in kv_caches:
-                unified_attention(
-                    query, kv_cache, metadata, backend.head_size**-0.5, out, num_splits, backend.workspace
-                )
+                unified_attention(query, kv_cache, metadata, head_size**-0.5, out, num_splits, builder.workspace)
 
         attention()
         torch.cuda.synchronize()
@@ -100,14 +106,8 @@ def main() -> None:
 
     dtype = DTYPES[args.dtype]
     bytes_per_key = 2 * args.num_kv_heads * args.head_size * dtype.itemsize
-    backend = TritonAttentionBackend(
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_size=args.head_size,
-        max_num_seqs=max(args.batch),
-        max_model_len=args.max_model_len,
-        device="cuda",
-    )
+    spec = FullAttentionSpec(args.block_size, args.num_kv_heads, args.head_size, dtype)
+    builder = TritonMetadataBuilder(spec, AttentionLimits(args.num_heads, max(args.batch), args.max_model_len), "cuda")
     print(f"{torch.cuda.get_device_name()}: {args.num_heads} q / {args.num_kv_heads} kv heads x {args.head_size}")
     print(f"{args.dtype}, block size {args.block_size}, max_model_len {args.max_model_len}")
     print(
@@ -118,7 +118,9 @@ def main() -> None:
             kv_bytes = batch * context * bytes_per_key
             if kv_bytes > args.max_kv_gib * 2**30:
                 continue
-            splits, us, us_unsplit = time_decode(backend, batch, context, args.block_size, dtype)
+            splits, us, us_unsplit = time_decode(
+                builder, args.num_heads, args.head_size, batch, context, args.block_size, dtype
+            )
             print(
                 f"{batch:>6} {context:>8} {kv_bytes / 1e9:>7.2f} {splits:>6} {us:>9.1f} {kv_bytes / us / 1e6:>6.2f}"
                 f" {us_unsplit:>13.1f} {kv_bytes / us_unsplit / 1e6:>6.2f}"

@@ -58,7 +58,7 @@ def fill_batch(
     make_params: Callable[[int, int], SamplingParams], num_reqs: int, vocab_size: int, device: torch.device
 ) -> InputBatch:
     rng = np.random.default_rng(0)
-    batch = InputBatch(num_reqs, MAX_MODEL_LEN, MAX_MODEL_LEN // 16, vocab_size, device, device.type == "cuda")
+    batch = InputBatch(num_reqs, MAX_MODEL_LEN, [16], vocab_size, device, device.type == "cuda")
     for row in range(num_reqs):
         params = make_params(row, vocab_size)
         params.all_stop_token_ids = set(params.stop_token_ids)
