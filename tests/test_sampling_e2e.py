@@ -272,7 +272,7 @@ def test_parallel_samples_share_the_prompt_blocks(tiny_model) -> None:
         for output in engine.step():
             final = output if output.finished else final
         children = [scheduler.requests.get(f"{i}_{request_id}") for i in range(4)]
-        block_ids = [scheduler.kv_cache_manager.get_block_ids(child) if child else [] for child in children]
+        block_ids = [scheduler.kv_cache_manager.get_block_ids(child)[0] if child else [] for child in children]
         if all(len(ids) >= 7 for ids in block_ids) and not shared_checked:
             assert all(ids[:7] == block_ids[0][:7] for ids in block_ids), "the 7 full prompt blocks are shared"
             shared_checked = True

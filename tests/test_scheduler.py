@@ -478,14 +478,14 @@ def test_abort_in_any_state_frees_blocks_and_reports_the_id(make_harness, setup,
         assert 0 < victim.num_computed_tokens < victim.num_prompt_tokens
     if setup is _setup_decoding:
         assert victim.num_output_tokens > 0
-    holds_blocks = bool(h.scheduler.kv_cache_manager.get_block_ids(victim))
+    holds_blocks = any(h.scheduler.kv_cache_manager.get_block_ids(victim))
     assert holds_blocks == (expected_status == RequestStatus.RUNNING)
     usage_before = h.scheduler.kv_cache_manager.usage
 
     h.scheduler.abort_requests([victim_id])
     assert victim.status == RequestStatus.FINISHED_ABORTED
     assert victim_id not in h.scheduler.requests
-    assert h.scheduler.kv_cache_manager.get_block_ids(victim) == []
+    assert h.scheduler.kv_cache_manager.get_block_ids(victim) == ([],)
     if holds_blocks:
         assert h.scheduler.kv_cache_manager.usage < usage_before
     so = h.step()

@@ -62,18 +62,20 @@ class Executor(ABC):
         number of blocks, so the rank with the least room decides.
         """
         specs = self.collective_rpc("get_kv_cache_spec")
-        requested = self.config.cache_config.num_gpu_blocks
-        if requested is None:
+        num_blocks = self.config.cache_config.num_gpu_blocks  # as asked for: taken as it is
+        sized_from_memory = num_blocks is None
+        if sized_from_memory:
             available = min(self.collective_rpc("determine_available_memory"))
-            requested = min(get_kv_cache_config(rank_specs, available).num_blocks for rank_specs in specs)
-        configs = [get_kv_cache_config(rank_specs, 0, requested) for rank_specs in specs]
+            num_blocks = min(get_kv_cache_config(rank_specs, available).num_blocks for rank_specs in specs)
+        configs = [get_kv_cache_config(rank_specs, 0, num_blocks) for rank_specs in specs]
         if any(config.group_specs != configs[0].group_specs for config in configs):
             raise RuntimeError(
                 "pipeline stages form different KV-cache groups "
                 f"({[len(config.kv_cache_groups) for config in configs]} groups per rank): "
                 "choose another pipeline_parallel_size"
             )
-        self._check_kv_cache_fits(configs[0])
+        if sized_from_memory:
+            self._check_kv_cache_fits(configs[0])
         for line in configs[0].describe():
             logger.info("KV cache %s", line)
         return configs
