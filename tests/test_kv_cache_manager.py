@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from kv_cache_utils import kv_cache_config
 
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.block_pool import NULL_BLOCK_ID, BlockPool
 from pagoda.scheduler.kv_cache_manager import KVCacheManager
+from pagoda.scheduler.output import BlockIds
 from pagoda.scheduler.request import Request
 
 BLOCK_SIZE = 4
@@ -17,11 +19,12 @@ def make_request(req_id: str, tokens: list[int], cache_salt: str | None = None) 
 
 
 def make_manager(num_blocks: int = 16, enable_caching: bool = True) -> KVCacheManager:
-    return KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching)
+    return KVCacheManager(kv_cache_config(num_blocks, BLOCK_SIZE), enable_caching)
 
 
-def admit(manager: KVCacheManager, request: Request) -> list[int]:
-    """Admit a request the way the scheduler does: prefix hit, allocate the rest, compute it."""
+def admit(manager: KVCacheManager, request: Request) -> BlockIds:
+    """Admit a request the way the scheduler does: prefix hit, allocate the rest, compute it;
+    return its block ids per group."""
     manager.update_block_hashes(request)
     hit_blocks, num_hit = manager.get_computed_blocks(request)
     num_new = request.num_tokens - num_hit
@@ -38,7 +41,8 @@ def snapshot(manager: KVCacheManager) -> tuple:
         [block.ref_cnt for block in pool.blocks],
         [block.block_id for block in pool._free_queue],
         dict(pool._cached),
-        {req_id: list(blocks) for req_id, blocks in manager._req_blocks.items()},
+        [{req_id: list(blocks) for req_id, blocks in group.req_to_blocks.items()} for group in manager.managers],
+        [dict(group.num_cached_blocks) for group in manager.managers],
     )
 
 
@@ -97,7 +101,7 @@ def test_cache_salt_isolates_tenants() -> None:
     assert manager.get_computed_blocks(same)[1] == 8
     for request in (other, unsalted):
         assert set(request.block_hashes).isdisjoint(same.block_hashes)
-        assert manager.get_computed_blocks(request) == ([], 0)
+        assert manager.get_computed_blocks(request) == (([],), 0)
 
 
 # ---- prefix hits --------------------------------------------------------------------------
@@ -105,10 +109,10 @@ def test_cache_salt_isolates_tenants() -> None:
 
 def test_hit_on_a_shared_prefix() -> None:
     manager = make_manager()
-    a_ids = admit(manager, make_request("a", list(range(10))))
+    (a_ids,) = admit(manager, make_request("a", list(range(10))))
     b = make_request("b", [*range(8), 70, 71, 72, 73, 74])
     manager.update_block_hashes(b)
-    hit_blocks, num_hit = manager.get_computed_blocks(b)
+    (hit_blocks,), num_hit = manager.get_computed_blocks(b)
     assert num_hit == 8
     assert [block.block_id for block in hit_blocks] == a_ids[:2]
 
@@ -145,8 +149,8 @@ def test_two_requests_share_blocks_by_reference_count() -> None:
     pool = manager.block_pool
     a = make_request("a", list(range(10)))
     b = make_request("b", [*range(8), 60, 61, 62])
-    a_ids = admit(manager, a)
-    b_ids = admit(manager, b)
+    (a_ids,) = admit(manager, a)
+    (b_ids,) = admit(manager, b)
     assert b_ids[:2] == a_ids[:2]
     assert b_ids[2] != a_ids[2]
     assert [pool.blocks[i].ref_cnt for i in a_ids[:2]] == [2, 2]
@@ -158,7 +162,7 @@ def test_two_requests_share_blocks_by_reference_count() -> None:
     # Still cached while free: a later request hits them.
     c = make_request("c", list(range(9)))
     manager.update_block_hashes(c)
-    assert [block.block_id for block in manager.get_computed_blocks(c)[0]] == a_ids[:2]
+    assert [block.block_id for block in manager.get_computed_blocks(c)[0][0]] == a_ids[:2]
     manager.check_idle()
 
 
@@ -170,8 +174,8 @@ def test_eviction_takes_uncached_blocks_first_then_least_recently_freed_tail_fir
     pool = manager.block_pool
     a = make_request("a", list(range(13)))  # 3 full blocks + a partial one
     b = make_request("b", list(range(100, 108)))  # 2 full blocks
-    a_ids = admit(manager, a)
-    b_ids = admit(manager, b)
+    (a_ids,) = admit(manager, a)
+    (b_ids,) = admit(manager, b)
     unused = sorted(set(range(1, 9)) - set(a_ids) - set(b_ids))
     manager.free(a)
     manager.free(b)  # b is freed after a: more recently used
@@ -180,12 +184,16 @@ def test_eviction_takes_uncached_blocks_first_then_least_recently_freed_tail_fir
     cached_before = {block_id for block_id in range(9) if pool.blocks[block_id].block_hash is not None}
     assert cached_before == set(a_ids[:3]) | set(b_ids)
 
+    # The pool's cache keys are the group's keys of the request's block hashes.
+    group = manager.managers[0]
+    keys = [group.block_key(r.block_hashes, i) for r in (a, b) for i in range(group.num_hashed_blocks(r.block_hashes))]
+    assert len(keys) == 5
     taken = []
     for _ in range(8):
         (block,) = pool.get_new_blocks(1)
         taken.append(block.block_id)
         assert block.block_hash is None
-        still_cached = {h for h in a.block_hashes + b.block_hashes if pool.get_cached_block(h) is not None}
+        still_cached = {h for h in keys if pool.get_cached_block(h) is not None}
         later = [i for i in expected_order[len(taken) :] if i in cached_before]
         assert {pool.blocks[i].block_hash for i in later} == still_cached
     assert taken == expected_order
@@ -197,13 +205,13 @@ def test_a_hit_on_a_free_block_takes_it_out_of_eviction_order() -> None:
     manager = make_manager(num_blocks=5)  # 4 usable
     pool = manager.block_pool
     a = make_request("a", list(range(8)))
-    a_ids = admit(manager, a)
+    (a_ids,) = admit(manager, a)
     manager.free(a)
     b = make_request("b", list(range(9)))
     manager.update_block_hashes(b)
     hit_blocks, _ = manager.get_computed_blocks(b)
     assert manager.allocate_slots(b, 1, hit_blocks) is not None
-    assert manager.get_block_ids(b)[:2] == a_ids
+    assert manager.get_block_ids(b)[0][:2] == a_ids
     assert pool.num_free_blocks == 1
     last = pool.get_new_blocks(1)
     assert last[0].block_id not in a_ids
@@ -216,7 +224,7 @@ def test_null_block_is_never_allocated_or_freed() -> None:
     manager = make_manager(num_blocks=6)
     pool = manager.block_pool
     requests = [make_request(f"r{i}", list(range(10 * i, 10 * i + 4))) for i in range(5)]
-    handed_out = [block_id for request in requests for block_id in admit(manager, request)]
+    handed_out = [block_id for request in requests for block_id in admit(manager, request)[0]]
     assert sorted(handed_out) == [1, 2, 3, 4, 5]
     assert manager.allocate_slots(make_request("x", [1]), 1) is None
 
@@ -244,7 +252,7 @@ def test_failed_allocation_leaves_state_unchanged() -> None:
     before = snapshot(manager)
     assert manager.allocate_slots(b, b.num_tokens - num_hit, hit_blocks) is None
     assert snapshot(manager) == before
-    assert manager.get_block_ids(b) == []
+    assert manager.get_block_ids(b) == ([],)
     assert manager.prefix_cache_queries == a.num_tokens + hog.num_tokens  # b's failed admission not counted
 
     running = make_request("c", list(range(400, 404)))
@@ -281,7 +289,7 @@ def test_freed_block_ids_report_blocks_whose_content_is_gone() -> None:
     manager = make_manager(num_blocks=6)  # 5 usable
     pool = manager.block_pool
     a = make_request("a", list(range(10)))  # 2 full cached blocks + 1 partial
-    a_ids = admit(manager, a)
+    (a_ids,) = admit(manager, a)
     assert manager.take_freed_block_ids() == []
     manager.free(a)
     assert manager.take_freed_block_ids() == [a_ids[2]]  # cached blocks keep their content
@@ -303,14 +311,14 @@ def test_reset_prefix_cache_drops_every_hit() -> None:
     manager.free(a)
     b = make_request("b", list(range(10)))
     manager.update_block_hashes(b)
-    assert manager.get_computed_blocks(b) == ([], 0)
+    assert manager.get_computed_blocks(b) == (([],), 0)
     manager.check_idle()
 
 
 def test_prefix_caching_off_hashes_nothing_and_never_hits() -> None:
     manager = make_manager(enable_caching=False)
     a = make_request("a", list(range(10)))
-    a_ids = admit(manager, a)
+    (a_ids,) = admit(manager, a)
     assert a.block_hashes == []
     manager.free(a)
     assert sorted(manager.take_freed_block_ids()) == sorted(a_ids)

@@ -146,11 +146,13 @@ class KVCacheManager:
         if admitted and self.enable_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
-        new_block_ids = []
+        # Take every group's hits before any group takes new blocks: a hit may sit free in the
+        # queue, and a new block for one group must not evict (and reuse) another group's hit.
         for manager, blocks in zip(self.managers, hits, strict=True):
             manager.save_new_computed_blocks(req_id, blocks)
-            new_block_ids.append([block.block_id for block in manager.allocate_new_blocks(req_id, num_tokens)])
-        return tuple(new_block_ids)
+        return tuple(
+            [block.block_id for block in manager.allocate_new_blocks(req_id, num_tokens)] for manager in self.managers
+        )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that `num_computed_tokens` computed tokens fill."""
