@@ -112,8 +112,12 @@ def test_abort_in_every_state_frees_its_blocks_at_once(tiny_model: str, state: s
     (final,) = engine.abort_requests([victim])
     assert final.finished and [c.finish_reason for c in final.outputs] == ["abort"] * n
     for core_id in victim_core_ids:
-        assert core_id not in scheduler.requests and core_id not in kv._req_blocks
-    assert set(kv._req_blocks) <= {other}, "only the other request may hold blocks now"
+        assert core_id not in scheduler.requests and all(
+            core_id not in manager.req_to_blocks for manager in kv.managers
+        )
+    assert all(set(manager.req_to_blocks) <= {other} for manager in kv.managers), (
+        "only the other request may hold blocks now"
+    )
     assert not engine.output_processor.has_request(victim)
     assert engine.abort_requests([victim, "no-such-request"]) == []  # again, and unknown: dropped
     finished = drain(engine)
