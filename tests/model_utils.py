@@ -183,3 +183,12 @@ def assert_greedy_match(ours: list[int], reference: list[int], margins: list[flo
     compared = next((i for i, m in enumerate(margins) if m < min_margin), len(margins))
     assert ours[:compared] == reference[:compared], (ours, reference, margins)
     return compared
+
+
+def save_random_checkpoint(config: PretrainedConfig, path: str, seed: int = 1234) -> None:
+    """Save a tiny HF model of `config`, its weights seeded and made as `randomize_` makes them,
+    with `save_pretrained` (for configs built in a test rather than listed in TINY_CONFIGS)."""
+    torch.manual_seed(seed)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(hf_model)
+    hf_model.save_pretrained(path)

@@ -18,6 +18,8 @@ _MODEL_CLASSES: dict[str, str] = {
     "MistralForCausalLM": "pagoda.model.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "pagoda.model.models.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pagoda.model.models.qwen:Qwen3ForCausalLM",
+    "Gemma2ForCausalLM": "pagoda.model.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "pagoda.model.models.gemma:Gemma3ForCausalLM",
 }
 
 # For configs that name no architecture (saved from a bare config object): HF model_type -> name.
@@ -26,6 +28,8 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

@@ -20,3 +20,18 @@ class SiluAndMul(nn.Module):
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """[..., 2d] (gate, up) -> [..., d] gelu(gate) * up; `approximate` "tanh" is HF's
+    `gelu_pytorch_tanh` (Gemma's), "none" the exact erf GELU."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up

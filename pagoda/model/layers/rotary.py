@@ -21,7 +21,7 @@ from pagoda.model.layers.layernorm import RMSNorm
 if ops.TRITON_AVAILABLE:
     from pagoda.model.ops.triton_rotary import qk_norm_rotary
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def rope_settings(config: Any) -> tuple[float, dict[str, Any]]:
@@ -46,6 +46,8 @@ def _inverse_frequencies(head_size: int, theta: float, scaling: dict[str, Any]) 
     rope_type = scaling["rope_type"]
     if rope_type == "default":
         return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]  # positions divided by `factor` (Gemma 3's global layers)
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, scaling)
     raise ValueError(f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")

@@ -220,7 +220,7 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.decoder_options(config), attn_backend, "model")
+        self.model = self.build_model(config, attn_backend)
         is_first_stage, is_last_stage = self.model.is_first_stage, self.model.is_last_stage
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if is_last_stage else PPMissingLayer()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -230,6 +230,12 @@ class DecoderForCausalLM(nn.Module):
         self._other_stage_prefixes = tuple(
             f"{name}." for name, module in self.named_modules() if isinstance(module, PPMissingLayer)
         )
+
+    @classmethod
+    def build_model(cls, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> nn.Module:
+        """The layer stack under "model": a `DecoderModel` here; families whose blocks differ (Gemma)
+        return their own, with the same `is_first_stage`, `is_last_stage` and `embed_tokens`."""
+        return DecoderModel(config, cls.decoder_options(config), attn_backend, "model")
 
     @classmethod
     def decoder_options(cls, config: PretrainedConfig) -> DecoderOptions:
