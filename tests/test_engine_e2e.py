@@ -149,5 +149,5 @@ def test_kv_block_zeroer_clears_dead_blocks(tiny_model, zero_freed_blocks: bool)
     )
     check_against_reference(llm, prompts, reference(hf_model, prompts))
     kv_caches = llm.llm_engine.engine_core.executor.worker.model_runner.kv_caches
-    nonzero = sum(int(cache.count_nonzero()) for cache in kv_caches)
+    nonzero = sum(int(cache.count_nonzero()) for cache in kv_caches.values())
     assert (nonzero == 0) == zero_freed_blocks
