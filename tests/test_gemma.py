@@ -227,18 +227,34 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
     return [[rng.randrange(1, VOCAB) for _ in range(rng.randint(3 * WINDOW, 5 * WINDOW))] for _ in range(count)]
 
 
-# (device, attention backend); the CUDA ones run on the GPU machine with `pytest -m gpu`.
+# (device, attention backend, async scheduling); the CUDA ones run on the GPU machine with
+# `pytest -m gpu`.
 TARGETS = [
-    pytest.param(("cpu", "torch"), id="cpu-torch"),
-    pytest.param(("cuda", "torch"), id="cuda-torch", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "triton"), id="cuda-triton", marks=pytest.mark.gpu),
+    pytest.param(("cpu", "torch", False), id="cpu-torch"),
+    pytest.param(("cpu", "torch", True), id="cpu-torch-async"),
+    pytest.param(("cuda", "torch", True), id="cuda-torch", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "triton", True), id="cuda-triton", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "triton", False), id="cuda-triton-sync", marks=pytest.mark.gpu),
+]
+# Under async scheduling the sliding-window manager frees a step's blocks outside the window
+# when it schedules the next step, before that step's output caches them: a re-run prompt then
+# finds no prefix hit in its sliding groups (Mistral's and Qwen2's too). Strict: it must fail
+# until that is fixed, and the fix must remove this mark.
+_ASYNC_SLIDING_PREFIX_MISS = pytest.mark.xfail(
+    reason="async scheduling frees sliding-window blocks before they are cached", raises=AssertionError, strict=True
+)
+PREFIX_TARGETS = [
+    pytest.param(*target.values, id=target.id, marks=[*target.marks, _ASYNC_SLIDING_PREFIX_MISS])
+    if target.values[0][2]
+    else target
+    for target in TARGETS
 ]
 
 
 @pytest.fixture(params=TARGETS)
 def engine(request):
-    """Builds an `LLM` over a checkpoint for the target device and backend, in float32."""
-    device, backend = request.param
+    """Builds an `LLM` over a checkpoint for the target, in float32."""
+    device, backend, async_scheduling = request.param
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
 
@@ -247,6 +263,7 @@ def engine(request):
             model=path,
             device=device,
             attention_backend=backend,
+            async_scheduling=async_scheduling,
             dtype="float32",
             max_model_len=128,
             block_size=BLOCK_SIZE,
@@ -277,6 +294,7 @@ def test_engine_chunked_prefill_and_preemption_match_hf(checkpoint, engine):
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
 
 
+@pytest.mark.parametrize("engine", PREFIX_TARGETS, indirect=True)
 def test_engine_prefix_cache_hit_matches_hf(checkpoint, engine):
     path, hf_model = checkpoint
     llm = engine(path, num_gpu_blocks=128)
