@@ -236,21 +236,6 @@ TARGETS = [
     pytest.param(("cuda", "triton", True), id="cuda-triton", marks=pytest.mark.gpu),
     pytest.param(("cuda", "triton", False), id="cuda-triton-sync", marks=pytest.mark.gpu),
 ]
-# Under async scheduling the sliding-window manager frees a step's blocks outside the window
-# when it schedules the next step, before that step's output caches them: a re-run prompt then
-# finds no prefix hit in its sliding groups (Mistral's and Qwen2's too). Strict: it must fail
-# until that is fixed, and the fix must remove this mark.
-_ASYNC_SLIDING_PREFIX_MISS = pytest.mark.xfail(
-    reason="async scheduling frees sliding-window blocks before they are cached", raises=AssertionError, strict=True
-)
-PREFIX_TARGETS = [
-    pytest.param(*target.values, id=target.id, marks=[*target.marks, _ASYNC_SLIDING_PREFIX_MISS])
-    if target.values[0][2]
-    else target
-    for target in TARGETS
-]
-
-
 @pytest.fixture(params=TARGETS)
 def engine(request):
     """Builds an `LLM` over a checkpoint for the target, in float32."""
@@ -294,7 +279,6 @@ def test_engine_chunked_prefill_and_preemption_match_hf(checkpoint, engine):
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
 
 
-@pytest.mark.parametrize("engine", PREFIX_TARGETS, indirect=True)
 def test_engine_prefix_cache_hit_matches_hf(checkpoint, engine):
     path, hf_model = checkpoint
     llm = engine(path, num_gpu_blocks=128)

@@ -17,8 +17,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen3Config
 
 from pagoda.attention.backends import get_attention_backend
+from pagoda.attention.layer import Attention
 from pagoda.benchmarks.hf_peer import load_hf_from_gguf
 from pagoda.config import ConfigError, ModelConfig
+from pagoda.kv_cache_interface import SlidingWindowSpec
 from pagoda.model.layers.rotary import rope_settings
 from pagoda.model.loader import (
     default_model_path,
@@ -199,11 +201,13 @@ def test_checkpoint_weight_of_the_wrong_shape_is_rejected(tmp_path):
         _load(model)
 
 
-def test_sliding_window_must_cover_max_model_len(tmp_path):
+def test_sliding_window_layers_declare_their_window(tmp_path):
+    """A context longer than the window loads: each layer declares a sliding-window KV cache."""
     model = _save_config(tmp_path, MistralConfig(**TINY_LLAMA, sliding_window=16))
-    with pytest.raises(ConfigError, match=r"max_model_len must be <= 16 \(the model's sliding_window"):
-        _load(model, "dummy")
-    assert _load(model, "dummy", max_model_len=16) is not None
+    loaded = _load(model, "dummy", max_model_len=TINY_LLAMA["max_position_embeddings"])
+    specs = [m.get_kv_cache_spec(16, torch.float32) for m in loaded.modules() if isinstance(m, Attention)]
+    assert len(specs) == TINY_LLAMA["num_hidden_layers"]
+    assert all(isinstance(spec, SlidingWindowSpec) and spec.sliding_window == 16 for spec in specs)
 
 
 def test_eos_ids_gather_config_and_generation_config(tmp_path):

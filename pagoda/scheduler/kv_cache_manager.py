@@ -135,7 +135,7 @@ class KVCacheManager:
         num_hit_tokens = len(hits[0]) * self.managers[0].block_size
         num_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
         for manager in self.managers:
-            manager.remove_skipped_blocks(req_id, request.num_computed_tokens)
+            manager.remove_skipped_blocks(req_id, request.block_hashes, request.num_computed_tokens)
         num_needed = sum(
             manager.num_blocks_to_allocate(req_id, num_tokens, blocks)
             for manager, blocks in zip(self.managers, hits, strict=True)

@@ -104,7 +104,7 @@ class SingleTypeKVCacheManager:
 
     # ---- what each kind does differently -----------------------------------------------------
 
-    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(self, req_id: str, block_hashes: Sequence[BlockHash], num_computed_tokens: int) -> None:
         """Free the blocks no token from `num_computed_tokens` on will read (none for full attention)."""
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
@@ -131,19 +131,27 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # blocks it needs right before L.
         self._blocks_before_resume = cdiv(spec.sliding_window - 1, spec.block_size)
 
-    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(self, req_id: str, block_hashes: Sequence[BlockHash], num_computed_tokens: int) -> None:
         """The next token (position `num_computed_tokens`) reads keys from
-        num_computed_tokens - window + 1 on; blocks wholly before that become null."""
+        num_computed_tokens - window + 1 on; blocks wholly before that become null.
+
+        A freed block is registered in the prefix cache first when its tokens are known: under
+        async scheduling this runs for step N+1 before step N's output would have cached it, and
+        its KV is complete by the time any later step (on the same stream) reads it.
+        """
         blocks = self.req_to_blocks.get(req_id)
         if blocks is None:
             return
         first_needed = max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
         null = self.block_pool.null_block
+        num_hashed = self.num_hashed_blocks(block_hashes) if self.enable_caching else 0
         freed = []
         # Blocks before an already-null one were skipped at an earlier step.
         for i in range(min(first_needed, len(blocks)) - 1, -1, -1):
             if blocks[i] is null:
                 break
+            if i < num_hashed:
+                self.block_pool.cache_block(blocks[i], self.block_key(block_hashes, i))
             freed.append(blocks[i])
             blocks[i] = null
         self.block_pool.free_blocks(freed)
