@@ -236,6 +236,8 @@ TARGETS = [
     pytest.param(("cuda", "triton", True), id="cuda-triton", marks=pytest.mark.gpu),
     pytest.param(("cuda", "triton", False), id="cuda-triton-sync", marks=pytest.mark.gpu),
 ]
+
+
 @pytest.fixture(params=TARGETS)
 def engine(request):
     """Builds an `LLM` over a checkpoint for the target, in float32."""
