@@ -10,7 +10,7 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.worker.input_batch import CachedRequestState, InputBatch
 
 # Two KV-cache groups of different block sizes: each row keeps a block list per group.
-MAX_REQS, MAX_LEN, BLOCK_SIZES, VOCAB = 8, 64, [4, 16], 1000
+MAX_REQS, MAX_LEN, BLOCK_SIZES, VOCAB = 8, 64, [4, 8], 1000
 
 
 def make_batch() -> InputBatch:
