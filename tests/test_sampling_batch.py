@@ -12,11 +12,11 @@ import torch
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.input_batch import CachedRequestState, InputBatch
 
-MAX_REQS, MAX_LEN, MAX_BLOCKS, VOCAB = 8, 96, 24, 50
+MAX_REQS, MAX_LEN, BLOCK_SIZE, VOCAB = 8, 96, 4, 50
 
 
 def make_batch() -> InputBatch:
-    return InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, VOCAB, torch.device("cpu"), pin_memory=False)
+    return InputBatch(MAX_REQS, MAX_LEN, [BLOCK_SIZE], VOCAB, torch.device("cpu"), pin_memory=False)
 
 
 def make_state(req_id: str, params: SamplingParams, prompt: list[int], output: list[int] = ()) -> CachedRequestState:
