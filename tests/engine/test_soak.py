@@ -8,7 +8,7 @@ state or KV block is left anywhere (the idle check), preemptions happened, and e
 finished greedy answer equals the same prompt run alone.
 
 CI runs SOAK_CI; the full size (1,000 requests, longer answers) is marked slow:
-`python -m pytest -q -m slow tests/test_soak.py -s` (figures in benchmarks/RELIABILITY.md).
+`python -m pytest -q -m slow tests/engine/test_soak.py -s` (figures in benchmarks/RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from conftest import smollm2_gguf_path
+from engine_utils import smollm2_gguf_path
 
 from pagoda import SamplingParams
 from pagoda.config import EngineConfig

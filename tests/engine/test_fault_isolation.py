@@ -16,7 +16,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import smollm2_gguf_path
+from engine_utils import smollm2_gguf_path
 from model_utils import save_tiny_checkpoint
 
 import pagoda.engine.output_processor as output_processor_module

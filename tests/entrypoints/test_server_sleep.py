@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from conftest import smollm2_gguf_path
+from engine_utils import smollm2_gguf_path
 from fastapi.testclient import TestClient
 from server_utils import RemoteServer
 

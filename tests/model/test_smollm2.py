@@ -9,7 +9,7 @@ request state, each ending with the engine's idle check.
 from __future__ import annotations
 
 import pytest
-from conftest import smollm2_gguf_path
+from engine_utils import smollm2_gguf_path
 from model_utils import assert_greedy_match, hf_greedy
 
 from pagoda import LLM, SamplingParams

@@ -249,7 +249,7 @@ def test_gpu_sleep_hands_memory_back_at_a_real_shape() -> None:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from sleep_gpu import measure
 
     figures = measure("qwen3-0.6b", num_gpu_blocks=512)

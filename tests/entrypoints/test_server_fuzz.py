@@ -21,7 +21,7 @@ pytest.importorskip("schemathesis")
 pytest.importorskip("hypothesis")
 
 import schemathesis
-from conftest import smollm2_gguf_path
+from engine_utils import smollm2_gguf_path
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
@@ -222,7 +222,7 @@ def test_sampling_params_fuzz(server: RemoteServer) -> None:
 
 @pytest.mark.slow
 def test_full_fuzz(server: RemoteServer, schema) -> None:
-    """The full run: `pytest -m slow tests/test_server_fuzz.py -s`; prints the tally."""
+    """The full run: `pytest -m slow tests/entrypoints/test_server_fuzz.py -s`; prints the tally."""
     tally = run_openapi_fuzz(server, schema, FULL_EXAMPLES) + run_sampling_fuzz(server, FULL_SAMPLING_EXAMPLES)
     print(f"\n{sum(tally.values())} cases, 0 violations")
     for label, count in sorted(tally.items()):

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import smollm2_gguf_path
+from engine_utils import smollm2_gguf_path
 from model_utils import allocate_kv_caches, build_attn_metadata, forward_context, hf_named_weights
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen3Config

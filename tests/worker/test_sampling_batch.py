@@ -159,7 +159,7 @@ def test_min_tokens_hides_stop_tokens_until_enough_tokens_exist() -> None:
 
 
 def test_sampler_benchmark_runs_at_a_small_size(capsys) -> None:
-    path = Path(__file__).parent.parent / "benchmarks" / "sampler_bench.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler_bench.py"
     spec = importlib.util.spec_from_file_location("sampler_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

