@@ -63,6 +63,8 @@ class AttentionMetadataBuilder(Protocol):
 class AttentionBackend:
     name: ClassVar[str]
     cudagraph_support: ClassVar[CUDAGraphSupport]
+    impl_cls: ClassVar[type[AttentionImpl]]
+    builder_cls: ClassVar[type[AttentionMetadataBuilder]]
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, spec: AttentionSpec) -> tuple[int, ...]:
@@ -71,11 +73,11 @@ class AttentionBackend:
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
-        raise NotImplementedError
+        return cls.impl_cls
 
     @classmethod
     def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
-        raise NotImplementedError
+        return cls.builder_cls
 
 
 ATTENTION_BACKENDS = {

@@ -138,11 +138,5 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     # Plans on the host from the CPU copies of the lengths: nothing a graph could replay.
     cudagraph_support: ClassVar[CUDAGraphSupport] = CUDAGraphSupport.NEVER
-
-    @classmethod
-    def get_impl_cls(cls) -> type[TorchAttentionImpl]:
-        return TorchAttentionImpl
-
-    @classmethod
-    def get_builder_cls(cls) -> type[TorchMetadataBuilder]:
-        return TorchMetadataBuilder
+    impl_cls = TorchAttentionImpl
+    builder_cls = TorchMetadataBuilder

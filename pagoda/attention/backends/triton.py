@@ -115,11 +115,5 @@ class TritonAttentionImpl:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     cudagraph_support: ClassVar[CUDAGraphSupport] = CUDAGraphSupport.ALWAYS
-
-    @classmethod
-    def get_impl_cls(cls) -> type[TritonAttentionImpl]:
-        return TritonAttentionImpl
-
-    @classmethod
-    def get_builder_cls(cls) -> type[TritonMetadataBuilder]:
-        return TritonMetadataBuilder
+    impl_cls = TritonAttentionImpl
+    builder_cls = TritonMetadataBuilder
