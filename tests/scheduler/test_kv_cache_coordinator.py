@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from kv_cache_utils import kv_cache_config
+from kv_cache_utils import kv_cache_config, snapshot
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv_cache_interface import (
@@ -61,10 +61,6 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
-def make_request(req_id: str, tokens: list[int], cache_salt: str | None = None, max_tokens: int = 256) -> Request:
-    return Request(req_id, tokens, SamplingParams(max_tokens=max_tokens), eos_token_ids=set(), cache_salt=cache_salt)
-
-
 def hybrid_manager(num_blocks: int, enable_caching: bool = True) -> tuple[KVCacheManager, int, int]:
     """A sliding layer then a full one (Gemma 2 order): group 0 is the sliding group."""
     config = kv_cache_config(num_blocks, BLOCK_SIZE, {"layers.0": sliding(), "layers.1": full()})
@@ -86,18 +82,6 @@ def admit(manager: KVCacheManager, request: Request, num_new: int | None = None)
     request.num_computed_tokens = num_hit + num_new
     manager.cache_blocks(request, request.num_computed_tokens)
     return num_hit
-
-
-def snapshot(manager: KVCacheManager) -> tuple:
-    pool = manager.block_pool
-    return (
-        pool.num_free_blocks,
-        [block.ref_cnt for block in pool.blocks],
-        [block.block_id for block in pool._free_queue],
-        dict(pool._cached),
-        [{req_id: list(blocks) for req_id, blocks in group.req_to_blocks.items()} for group in manager.managers],
-        [dict(group.num_cached_blocks) for group in manager.managers],
-    )
 
 
 def group_key(manager: KVCacheManager, gid: int, request: Request, index: int) -> bytes:
@@ -201,7 +185,7 @@ def test_a_page_that_does_not_divide_the_largest_is_refused() -> None:
 # ---- the coordinator: allocation --------------------------------------------------------
 
 
-def test_allocation_is_all_groups_or_nothing() -> None:
+def test_allocation_is_all_groups_or_nothing(make_request) -> None:
     manager, swa, fa = hybrid_manager(num_blocks=12)  # 11 usable
     pool = manager.block_pool
     big = make_request("big", list(range(24)))  # 6 blocks per group: 12 > 11
@@ -239,7 +223,7 @@ def test_allocation_is_all_groups_or_nothing() -> None:
     manager.check_idle()
 
 
-def test_hits_of_every_group_are_taken_before_any_group_gets_new_blocks() -> None:
+def test_hits_of_every_group_are_taken_before_any_group_gets_new_blocks(make_request) -> None:
     """Regression: a new block for one group used to be taken before a later group touched its
     prefix-cache hits, so it could evict a free hit and hand it to two groups at once."""
     config = kv_cache_config(9, BLOCK_SIZE, {"layers.0": full(), "layers.1": sliding()})  # 8 usable
@@ -270,7 +254,7 @@ def test_hits_of_every_group_are_taken_before_any_group_gets_new_blocks() -> Non
     manager.check_idle()
 
 
-def test_decoding_holds_only_the_window_in_the_sliding_group() -> None:
+def test_decoding_holds_only_the_window_in_the_sliding_group(make_request) -> None:
     manager, swa, fa = hybrid_manager(num_blocks=64)
     pool = manager.block_pool
     usable = pool.num_usable_blocks
@@ -310,7 +294,9 @@ def test_decoding_holds_only_the_window_in_the_sliding_group() -> None:
 
 @pytest.mark.parametrize("first_chunk", [1, 3, None])
 @pytest.mark.parametrize("chunk", [1, 3, 4, 6, 8, 13, 16])
-def test_prefill_chunks_hold_at_most_the_window_plus_the_chunk(chunk: int, first_chunk: int | None) -> None:
+def test_prefill_chunks_hold_at_most_the_window_plus_the_chunk(
+    make_request, chunk: int, first_chunk: int | None
+) -> None:
     manager, swa, fa = hybrid_manager(num_blocks=64)
     spec = manager.kv_cache_config.group_specs[swa]
     r = make_request("r", list(range(100)))
@@ -338,7 +324,7 @@ def test_prefill_chunks_hold_at_most_the_window_plus_the_chunk(chunk: int, first
 # ---- the coordinator: prefix hits across groups -----------------------------------------
 
 
-def test_a_repeated_prompt_hits_in_both_groups() -> None:
+def test_a_repeated_prompt_hits_in_both_groups(make_request) -> None:
     manager, swa, fa = hybrid_manager(num_blocks=64)
     prompt = list(range(41))
     a = make_request("a", prompt)
@@ -372,7 +358,7 @@ def test_a_repeated_prompt_hits_in_both_groups() -> None:
     manager.check_idle()
 
 
-def test_a_hit_shrinks_in_both_groups_when_the_window_before_it_was_evicted() -> None:
+def test_a_hit_shrinks_in_both_groups_when_the_window_before_it_was_evicted(make_request) -> None:
     manager, swa, fa = hybrid_manager(num_blocks=25)  # 24 usable
     pool = manager.block_pool
     prompt = list(range(41))
@@ -405,7 +391,7 @@ def test_a_hit_shrinks_in_both_groups_when_the_window_before_it_was_evicted() ->
     manager.check_idle()
 
 
-def test_cache_salt_isolates_every_group() -> None:
+def test_cache_salt_isolates_every_group(make_request) -> None:
     manager, _, _ = hybrid_manager(num_blocks=64)
     prompt = list(range(20))
     owner = make_request("owner", prompt, cache_salt="tenant-a")
@@ -420,7 +406,7 @@ def test_cache_salt_isolates_every_group() -> None:
     manager.check_idle()
 
 
-def test_unequal_block_sizes_hit_on_multiples_of_their_lcm() -> None:
+def test_unequal_block_sizes_hit_on_multiples_of_their_lcm(make_request) -> None:
     large = LargePageSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float32)
     config = get_kv_cache_config({"layers.0": sliding(), "layers.1": full(), "state.0": large}, 0, num_blocks=64)
     manager = KVCacheManager(config)
@@ -477,7 +463,7 @@ def drive(scheduler: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
     return steps
 
 
-def test_add_request_refuses_what_could_never_fit() -> None:
+def test_add_request_refuses_what_could_never_fit(make_request) -> None:
     config = kv_cache_config(40, BLOCK_SIZE, {"layers.0": sliding(), "layers.1": full()})  # 39 usable
     scheduler = make_scheduler(config)
     # 150 + 50 tokens, 199 hold KV: 50 full blocks, and the window + a 16-token chunk: 7.
@@ -492,7 +478,7 @@ def test_add_request_refuses_what_could_never_fit() -> None:
     scheduler.check_idle()
 
 
-def test_a_sliding_group_lets_a_long_request_fit_a_small_pool() -> None:
+def test_a_sliding_group_lets_a_long_request_fit_a_small_pool(make_request) -> None:
     # 200 + 50 tokens: full attention would need 63 blocks.
     prompt, max_tokens = list(range(200)), 50
     assert FullAttentionSpec.max_blocks_per_request(full(), 249, 16) == 63

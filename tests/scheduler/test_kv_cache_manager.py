@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from kv_cache_utils import kv_cache_config
+from kv_cache_utils import kv_cache_config, snapshot
 
-from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.block_pool import NULL_BLOCK_ID, BlockPool
 from pagoda.scheduler.kv_cache_manager import KVCacheManager
 from pagoda.scheduler.output import BlockIds
 from pagoda.scheduler.request import Request
 
 BLOCK_SIZE = 4
-
-
-def make_request(req_id: str, tokens: list[int], cache_salt: str | None = None) -> Request:
-    return Request(req_id, tokens, SamplingParams(max_tokens=8), eos_token_ids=set(), cache_salt=cache_salt)
 
 
 def make_manager(num_blocks: int = 16, enable_caching: bool = True) -> KVCacheManager:
@@ -34,22 +29,10 @@ def admit(manager: KVCacheManager, request: Request) -> BlockIds:
     return manager.get_block_ids(request)
 
 
-def snapshot(manager: KVCacheManager) -> tuple:
-    pool = manager.block_pool
-    return (
-        pool.num_free_blocks,
-        [block.ref_cnt for block in pool.blocks],
-        [block.block_id for block in pool._free_queue],
-        dict(pool._cached),
-        [{req_id: list(blocks) for req_id, blocks in group.req_to_blocks.items()} for group in manager.managers],
-        [dict(group.num_cached_blocks) for group in manager.managers],
-    )
-
-
 # ---- hashing ------------------------------------------------------------------------------
 
 
-def test_same_prefix_gives_same_hashes() -> None:
+def test_same_prefix_gives_same_hashes(make_request) -> None:
     manager = make_manager()
     a = make_request("a", list(range(12)))
     b = make_request("b", [*range(12), 50, 51])
@@ -61,7 +44,7 @@ def test_same_prefix_gives_same_hashes() -> None:
     assert len(set(a.block_hashes)) == 3
 
 
-def test_changing_one_token_changes_that_block_and_all_later_ones() -> None:
+def test_changing_one_token_changes_that_block_and_all_later_ones(make_request) -> None:
     manager = make_manager()
     a = make_request("a", list(range(12)))
     tokens = list(range(12))
@@ -74,7 +57,7 @@ def test_changing_one_token_changes_that_block_and_all_later_ones() -> None:
     assert a.block_hashes[2] != b.block_hashes[2]  # same tokens, different parent
 
 
-def test_incremental_hashes_match_hashes_of_the_whole_sequence() -> None:
+def test_incremental_hashes_match_hashes_of_the_whole_sequence(make_request) -> None:
     manager = make_manager()
     growing = make_request("a", list(range(6)))
     manager.update_block_hashes(growing)
@@ -87,7 +70,7 @@ def test_incremental_hashes_match_hashes_of_the_whole_sequence() -> None:
     assert growing.block_hashes == whole.block_hashes
 
 
-def test_cache_salt_isolates_tenants() -> None:
+def test_cache_salt_isolates_tenants(make_request) -> None:
     manager = make_manager()
     tokens = list(range(9))
     admit(manager, make_request("owner", tokens, cache_salt="tenant-a"))
@@ -107,7 +90,7 @@ def test_cache_salt_isolates_tenants() -> None:
 # ---- prefix hits --------------------------------------------------------------------------
 
 
-def test_hit_on_a_shared_prefix() -> None:
+def test_hit_on_a_shared_prefix(make_request) -> None:
     manager = make_manager()
     (a_ids,) = admit(manager, make_request("a", list(range(10))))
     b = make_request("b", [*range(8), 70, 71, 72, 73, 74])
@@ -117,7 +100,7 @@ def test_hit_on_a_shared_prefix() -> None:
     assert [block.block_id for block in hit_blocks] == a_ids[:2]
 
 
-def test_full_prompt_hit_recomputes_the_last_token() -> None:
+def test_full_prompt_hit_recomputes_the_last_token(make_request) -> None:
     manager = make_manager()
     admit(manager, make_request("a", list(range(9))))  # blocks 0 and 1 are full and cached
 
@@ -130,7 +113,7 @@ def test_full_prompt_hit_recomputes_the_last_token() -> None:
     assert manager.get_computed_blocks(one_more)[1] == 8
 
 
-def test_only_full_computed_blocks_are_cached() -> None:
+def test_only_full_computed_blocks_are_cached(make_request) -> None:
     manager = make_manager()
     a = make_request("a", list(range(10)))
     manager.update_block_hashes(a)
@@ -144,7 +127,7 @@ def test_only_full_computed_blocks_are_cached() -> None:
     manager.free(a)
 
 
-def test_two_requests_share_blocks_by_reference_count() -> None:
+def test_two_requests_share_blocks_by_reference_count(make_request) -> None:
     manager = make_manager()
     pool = manager.block_pool
     a = make_request("a", list(range(10)))
@@ -169,7 +152,7 @@ def test_two_requests_share_blocks_by_reference_count() -> None:
 # ---- eviction -----------------------------------------------------------------------------
 
 
-def test_eviction_takes_uncached_blocks_first_then_least_recently_freed_tail_first() -> None:
+def test_eviction_takes_uncached_blocks_first_then_least_recently_freed_tail_first(make_request) -> None:
     manager = make_manager(num_blocks=9)  # 8 usable blocks
     pool = manager.block_pool
     a = make_request("a", list(range(13)))  # 3 full blocks + a partial one
@@ -201,7 +184,7 @@ def test_eviction_takes_uncached_blocks_first_then_least_recently_freed_tail_fir
     manager.check_idle()
 
 
-def test_a_hit_on_a_free_block_takes_it_out_of_eviction_order() -> None:
+def test_a_hit_on_a_free_block_takes_it_out_of_eviction_order(make_request) -> None:
     manager = make_manager(num_blocks=5)  # 4 usable
     pool = manager.block_pool
     a = make_request("a", list(range(8)))
@@ -220,7 +203,7 @@ def test_a_hit_on_a_free_block_takes_it_out_of_eviction_order() -> None:
     manager.check_idle()
 
 
-def test_null_block_is_never_allocated_or_freed() -> None:
+def test_null_block_is_never_allocated_or_freed(make_request) -> None:
     manager = make_manager(num_blocks=6)
     pool = manager.block_pool
     requests = [make_request(f"r{i}", list(range(10 * i, 10 * i + 4))) for i in range(5)]
@@ -237,7 +220,7 @@ def test_null_block_is_never_allocated_or_freed() -> None:
     manager.check_idle()
 
 
-def test_failed_allocation_leaves_state_unchanged() -> None:
+def test_failed_allocation_leaves_state_unchanged(make_request) -> None:
     manager = make_manager(num_blocks=7)  # 6 usable
     a = make_request("a", list(range(8)))
     admit(manager, a)
@@ -268,7 +251,7 @@ def test_failed_allocation_leaves_state_unchanged() -> None:
 # ---- figures, freed ids, reset, idle ------------------------------------------------------
 
 
-def test_usage_and_prefix_cache_hit_rate() -> None:
+def test_usage_and_prefix_cache_hit_rate(make_request) -> None:
     manager = make_manager(num_blocks=11)  # 10 usable
     assert manager.usage == 0.0
     assert manager.prefix_cache_hit_rate == 0.0
@@ -285,7 +268,7 @@ def test_usage_and_prefix_cache_hit_rate() -> None:
     assert manager.usage == 0.0  # cached free blocks count as free
 
 
-def test_freed_block_ids_report_blocks_whose_content_is_gone() -> None:
+def test_freed_block_ids_report_blocks_whose_content_is_gone(make_request) -> None:
     manager = make_manager(num_blocks=6)  # 5 usable
     pool = manager.block_pool
     a = make_request("a", list(range(10)))  # 2 full cached blocks + 1 partial
@@ -303,7 +286,7 @@ def test_freed_block_ids_report_blocks_whose_content_is_gone() -> None:
     manager.check_idle()
 
 
-def test_reset_prefix_cache_drops_every_hit() -> None:
+def test_reset_prefix_cache_drops_every_hit(make_request) -> None:
     manager = make_manager()
     a = make_request("a", list(range(10)))
     admit(manager, a)
@@ -315,7 +298,7 @@ def test_reset_prefix_cache_drops_every_hit() -> None:
     manager.check_idle()
 
 
-def test_prefix_caching_off_hashes_nothing_and_never_hits() -> None:
+def test_prefix_caching_off_hashes_nothing_and_never_hits(make_request) -> None:
     manager = make_manager(enable_caching=False)
     a = make_request("a", list(range(10)))
     (a_ids,) = admit(manager, a)
@@ -329,7 +312,7 @@ def test_prefix_caching_off_hashes_nothing_and_never_hits() -> None:
     manager.check_idle()
 
 
-def test_idle_check_passes_when_whole_and_catches_leaks() -> None:
+def test_idle_check_passes_when_whole_and_catches_leaks(make_request) -> None:
     manager = make_manager()
     a = make_request("a", list(range(10)))
     admit(manager, a)
