@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.input_batch import CachedRequestState, InputBatch
+from pagoda.worker.input_batch import CachedRequestState
 
 # Two KV-cache groups of different block sizes: each row keeps a block list per group.
 MAX_REQS, MAX_LEN, BLOCK_SIZES, VOCAB = 8, 64, [4, 8], 1000
-
-
-def make_batch() -> InputBatch:
-    return InputBatch(MAX_REQS, MAX_LEN, BLOCK_SIZES, VOCAB, torch.device("cpu"), pin_memory=False)
 
 
 def make_state(i: int, rng: np.random.Generator) -> CachedRequestState:
@@ -33,9 +28,9 @@ def make_state(i: int, rng: np.random.Generator) -> CachedRequestState:
     )
 
 
-def test_add_remove_condense_keeps_rows_consistent() -> None:
+def test_add_remove_condense_keeps_rows_consistent(make_input_batch) -> None:
     rng = np.random.default_rng(0)
-    batch = make_batch()
+    batch = make_input_batch(MAX_REQS, MAX_LEN, BLOCK_SIZES, VOCAB)
     requests = {}
     for i in range(MAX_REQS):
         state = make_state(i, rng)
@@ -57,9 +52,9 @@ def test_add_remove_condense_keeps_rows_consistent() -> None:
     batch.check_consistency(requests)
 
 
-def test_swap_moves_every_array_together() -> None:
+def test_swap_moves_every_array_together(make_input_batch) -> None:
     rng = np.random.default_rng(1)
-    batch = make_batch()
+    batch = make_input_batch(MAX_REQS, MAX_LEN, BLOCK_SIZES, VOCAB)
     requests = {}
     for i in range(4):
         state = make_state(i, rng)
@@ -70,9 +65,9 @@ def test_swap_moves_every_array_together() -> None:
     batch.check_consistency(requests)
 
 
-def test_consistency_check_catches_a_stale_row() -> None:
+def test_consistency_check_catches_a_stale_row(make_input_batch) -> None:
     rng = np.random.default_rng(2)
-    batch = make_batch()
+    batch = make_input_batch(MAX_REQS, MAX_LEN, BLOCK_SIZES, VOCAB)
     state = make_state(0, rng)
     batch.add_request(state)
     state.output_token_ids.append(7)  # the request moved on but the row did not
@@ -80,9 +75,9 @@ def test_consistency_check_catches_a_stale_row() -> None:
         batch.check_consistency({"r0": state})
 
 
-def test_append_sampled_tokens_is_vectorized_per_row() -> None:
+def test_append_sampled_tokens_is_vectorized_per_row(make_input_batch) -> None:
     rng = np.random.default_rng(3)
-    batch = make_batch()
+    batch = make_input_batch(MAX_REQS, MAX_LEN, BLOCK_SIZES, VOCAB)
     requests = {}
     for i in range(3):
         state = make_state(i, rng)
@@ -95,9 +90,9 @@ def test_append_sampled_tokens_is_vectorized_per_row() -> None:
     batch.check_consistency(requests)
 
 
-def test_random_churn_stays_consistent() -> None:
+def test_random_churn_stays_consistent(make_input_batch) -> None:
     rng = np.random.default_rng(4)
-    batch = make_batch()
+    batch = make_input_batch(MAX_REQS, MAX_LEN, BLOCK_SIZES, VOCAB)
     requests: dict[str, CachedRequestState] = {}
     next_id = 0
     for _ in range(200):
@@ -118,9 +113,9 @@ def test_random_churn_stays_consistent() -> None:
     assert sorted(batch.req_ids) == sorted(requests)
 
 
-def test_block_table_device_mirror_follows_changes() -> None:
+def test_block_table_device_mirror_follows_changes(make_input_batch) -> None:
     rng = np.random.default_rng(5)
-    batch = make_batch()
+    batch = make_input_batch(MAX_REQS, MAX_LEN, BLOCK_SIZES, VOCAB)
     for i in range(3):
         batch.add_request(make_state(i, rng))
     batch.block_table.append_row(([42, 43], [44]), 1)

@@ -15,10 +15,6 @@ from pagoda.worker.input_batch import CachedRequestState, InputBatch
 MAX_REQS, MAX_LEN, BLOCK_SIZE, VOCAB = 8, 96, 4, 50
 
 
-def make_batch() -> InputBatch:
-    return InputBatch(MAX_REQS, MAX_LEN, [BLOCK_SIZE], VOCAB, torch.device("cpu"), pin_memory=False)
-
-
 def make_state(req_id: str, params: SamplingParams, prompt: list[int], output: list[int] = ()) -> CachedRequestState:
     return CachedRequestState(
         req_id=req_id,
@@ -56,9 +52,9 @@ def check_penalty_rows(batch: InputBatch, requests: dict[str, CachedRequestState
         assert set(torch.nonzero(sampling.prompt_token_mask[row]).flatten().tolist()) == set(state.prompt_token_ids)
 
 
-def test_penalty_counts_and_settings_follow_their_rows_through_churn() -> None:
+def test_penalty_counts_and_settings_follow_their_rows_through_churn(make_input_batch) -> None:
     rng = np.random.default_rng(0)
-    batch = make_batch()
+    batch = make_input_batch(MAX_REQS, MAX_LEN, [BLOCK_SIZE], VOCAB)
     requests: dict[str, CachedRequestState] = {}
     for step in range(120):
         action = rng.random()
@@ -90,8 +86,8 @@ def test_penalty_counts_and_settings_follow_their_rows_through_churn() -> None:
         check_penalty_rows(batch, requests)
 
 
-def test_metadata_carries_only_the_passes_its_sampled_rows_use() -> None:
-    batch = make_batch()
+def test_metadata_carries_only_the_passes_its_sampled_rows_use(make_input_batch) -> None:
+    batch = make_input_batch(MAX_REQS, MAX_LEN, [BLOCK_SIZE], VOCAB)
     plain = make_state("plain", SamplingParams(temperature=0.0), [1, 2])
     rich = make_state(
         "rich",
@@ -131,8 +127,8 @@ def banned_pairs(batch: InputBatch, rows: np.ndarray) -> set[tuple[int, int]]:
     return set(zip(entries.rows.tolist(), entries.token_ids.tolist(), strict=True))
 
 
-def test_bad_words_ban_a_last_token_once_the_output_ends_with_the_rest() -> None:
-    batch = make_batch()
+def test_bad_words_ban_a_last_token_once_the_output_ends_with_the_rest(make_input_batch) -> None:
+    batch = make_input_batch(MAX_REQS, MAX_LEN, [BLOCK_SIZE], VOCAB)
     params = SamplingParams()
     params.bad_words_token_ids = [[5], [7, 8, 9], [3, 4]]
     state = make_state("r", params, prompt=[1, 7, 8, 3])  # a prompt ending in a prefix does not count
@@ -146,8 +142,8 @@ def test_bad_words_ban_a_last_token_once_the_output_ends_with_the_rest() -> None
         assert banned_pairs(batch, np.array([0, 1])) == {(1, t) for t in expected}
 
 
-def test_min_tokens_hides_stop_tokens_until_enough_tokens_exist() -> None:
-    batch = make_batch()
+def test_min_tokens_hides_stop_tokens_until_enough_tokens_exist(make_input_batch) -> None:
+    batch = make_input_batch(MAX_REQS, MAX_LEN, [BLOCK_SIZE], VOCAB)
     params = SamplingParams(min_tokens=2)
     params.all_stop_token_ids = {2, 6}
     batch.add_request(make_state("r", params, prompt=[1, 1]))
