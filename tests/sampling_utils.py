@@ -1,12 +1,15 @@
 """Reference implementations of logits processing, written straight from the definitions
-(one token at a time, in float64), for the sampler and engine tests to compare against."""
+(one token at a time, in float64), for the sampler and engine tests to compare against; the
+sampling metadata the runner would build, and the chi-square bound the frequency tests use."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
 
+from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sampling_params import SamplingParams
 
 
@@ -38,3 +41,36 @@ def reference_processed_logits(
     for token, count in Counter(output).items():
         x[token] -= params.frequency_penalty * count + params.presence_penalty
     return x
+
+
+def make_metadata(
+    temperature: list[float],
+    seeds: list[int],
+    output_positions: list[int],
+    top_k: list[int] | None = None,
+    top_p: list[float] | None = None,
+    min_p: list[float] | None = None,
+    device: str = "cpu",
+) -> SamplingMetadata:
+    """What the runner builds from its per-row arrays."""
+    greedy = [t < 1e-5 for t in temperature]
+
+    def optional(values: list | None, dtype: torch.dtype) -> torch.Tensor | None:
+        return None if values is None else torch.tensor(values, dtype=dtype, device=device)
+
+    return SamplingMetadata(
+        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+        all_greedy=all(greedy),
+        all_random=not any(greedy),
+        top_k=optional(top_k, torch.int32),
+        top_p=optional(top_p, torch.float32),
+        min_p=optional(min_p, torch.float32),
+        seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+        output_positions=torch.tensor(output_positions, dtype=torch.int64, device=device),
+    )
+
+
+def chi_square_critical_value(degrees_of_freedom: int, z: float = 3.0902) -> float:
+    """Upper 0.1% point of chi-square (Wilson-Hilferty; z is the normal's 0.999 quantile)."""
+    k = degrees_of_freedom
+    return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3

@@ -12,8 +12,7 @@ import random
 
 import pytest
 import torch
-from sampling_utils import reference_processed_logits
-from test_sampler import DEVICES, chi_square_critical_value, make_metadata
+from sampling_utils import chi_square_critical_value, make_metadata, reference_processed_logits
 
 from pagoda.sample.logits_processing import process_logits
 from pagoda.sample.logprobs import top_logprobs
@@ -81,7 +80,6 @@ def metadata_for(
     return metadata
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_processing_matches_the_definitions(device: str) -> None:
     rng = random.Random(0)
     requests = [random_request(rng, row) for row in range(30)]
@@ -103,7 +101,6 @@ def test_no_pass_means_no_copy() -> None:
     assert process_logits(logits, make_metadata([1.0] * 4, [0] * 4, [0] * 4)) is logits
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_greedy_and_random_rows_only_pick_allowed_and_unbanned_tokens(device: str) -> None:
     rng = random.Random(2)
     prompts = [random_request(rng, row)[0] for row in range(64)]
@@ -117,7 +114,6 @@ def test_greedy_and_random_rows_only_pick_allowed_and_unbanned_tokens(device: st
     assert len(set(sampled[8:].tolist())) == 3, "a hot temperature reaches every allowed token"
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_frequencies_match_the_softmax_of_the_processed_logits(device: str) -> None:
     num_draws = 20_000
     prompt, output = [1, 2, 3], [2, 2, 4, 5]
@@ -143,7 +139,6 @@ def reference_rank(values: torch.Tensor, token: int) -> int:
     return int((values > values[token]).sum()) + 1
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
 def test_logprobs_modes_report_the_documented_values(device: str, mode: str) -> None:
     num_rows, num_top = 16, 4

@@ -3,7 +3,6 @@ seeded reproducibility independent of the batch, the counter-based hash, and the
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -11,8 +10,8 @@ import textwrap
 
 import pytest
 import torch
+from sampling_utils import chi_square_critical_value, make_metadata
 
-from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sample.ops import (
     SPLITMIX64_GAMMA,
     SPLITMIX64_MULTIPLIERS,
@@ -25,35 +24,7 @@ from pagoda.sample.ops import (
 )
 from pagoda.sample.sampler import LOGPROBS_MODES, Sampler
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 UINT64 = (1 << 64) - 1
-
-
-def make_metadata(
-    temperature: list[float],
-    seeds: list[int],
-    output_positions: list[int],
-    top_k: list[int] | None = None,
-    top_p: list[float] | None = None,
-    min_p: list[float] | None = None,
-    device: str = "cpu",
-) -> SamplingMetadata:
-    """What the runner builds from its per-row arrays."""
-    greedy = [t < 1e-5 for t in temperature]
-
-    def optional(values: list | None, dtype: torch.dtype) -> torch.Tensor | None:
-        return None if values is None else torch.tensor(values, dtype=dtype, device=device)
-
-    return SamplingMetadata(
-        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-        all_greedy=all(greedy),
-        all_random=not any(greedy),
-        top_k=optional(top_k, torch.int32),
-        top_p=optional(top_p, torch.float32),
-        min_p=optional(min_p, torch.float32),
-        seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-        output_positions=torch.tensor(output_positions, dtype=torch.int64, device=device),
-    )
 
 
 def repeated_draws(logits_row: torch.Tensor, num_draws: int, seed: int = 1234, **settings: float) -> torch.Tensor:
@@ -93,12 +64,6 @@ def reference_distribution(
     return {t: probs[t].item() / total for t in order}
 
 
-def chi_square_critical_value(degrees_of_freedom: int, z: float = 3.0902) -> float:
-    """Upper 0.1% point of chi-square (Wilson-Hilferty; z is the normal's 0.999 quantile)."""
-    k = degrees_of_freedom
-    return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
-
-
 def splitmix64_reference(value: int) -> int:
     z = value & UINT64
     z = ((z ^ (z >> SPLITMIX64_SHIFTS[0])) * SPLITMIX64_MULTIPLIERS[0]) & UINT64
@@ -113,14 +78,12 @@ def as_signed64(value: int) -> int:
 # --- greedy -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_all_greedy_batch_is_argmax(device: str) -> None:
     logits = torch.randn(37, 1000, device=device)
     metadata = make_metadata([0.0] * 37, list(range(37)), [5] * 37, top_k=[3] * 37, device=device)
     assert torch.equal(Sampler()(logits, metadata).sampled_token_ids, logits.argmax(dim=-1))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_greedy_rows_of_a_mixed_batch_get_their_argmax(device: str) -> None:
     num_rows = 64
     # Flat logits: a random row almost never lands on the argmax, so a leak of noise would show.
@@ -163,7 +126,6 @@ TRUNCATIONS = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("settings", TRUNCATIONS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
 def test_sampled_tokens_cover_exactly_the_truncated_support(device: str, settings: dict) -> None:
     num_draws = 4000
@@ -198,7 +160,6 @@ def test_cutoff_keeps_at_least_the_top_token_when_top_p_is_tiny() -> None:
 # --- the sampled distribution -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "settings", [dict(temperature=0.7), dict(temperature=1.3, top_k=10, top_p=0.95, min_p=0.02)], ids=["T", "all"]
 )
@@ -217,7 +178,6 @@ def test_frequencies_match_the_truncated_softmax(device: str, settings: dict) ->
 # --- seeds: reproducible, independent of the batch --------------------------------------------
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_a_rows_token_depends_only_on_its_seed_position_and_logits(device: str) -> None:
     num_rows, vocab_size = 40, 2000
     logits = torch.randn(num_rows, vocab_size, device=device) * 2
@@ -244,7 +204,6 @@ def test_a_rows_token_depends_only_on_its_seed_position_and_logits(device: str) 
     assert torch.equal(resampled, sampled.sampled_token_ids[order])
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_other_seeds_or_positions_give_other_draws(device: str) -> None:
     num_draws = 2000
     logits_row = torch.zeros(16, device=device)  # uniform: two independent streams agree 1/16 of the time
@@ -356,6 +315,7 @@ def test_triton_kernel_matches_the_torch_path_under_the_interpreter(tmp_path) ->
         f"""
         import sys, torch
         sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {os.path.dirname(os.path.dirname(__file__))!r})  # sampling_utils
         from test_sampler import triton_case
         from pagoda.sample.ops import gumbel_max_triton
         inputs = triton_case("cpu", 32, 4500)
