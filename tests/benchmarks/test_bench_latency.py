@@ -23,10 +23,8 @@ from pagoda.benchmarks.roofline import (
 from pagoda.entrypoints.cli import main
 from pagoda.model.loader.dummy import dummy_shape_config
 
-H200 = DeviceRates(copy_bytes_per_s=4.27e12, matmul_flops_per_s=789e12)
 
-
-def test_llama_3_1_8b_reads_15_gb_per_decode_step() -> None:
+def test_llama_3_1_8b_reads_15_gb_per_decode_step(h200) -> None:
     shape = model_shape(dummy_shape_config("llama-3.1-8b"))
     hidden, inter, kv_dim = 4096, 14336, 8 * 128
     layer = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * inter + 2 * hidden
@@ -35,16 +33,16 @@ def test_llama_3_1_8b_reads_15_gb_per_decode_step() -> None:
     weights = weight_bytes_per_step(shape, 1, dtype_bytes=2)
     assert weights == pytest.approx(15.0e9, rel=0.001)
     # The figure: 3.52 ms at 4.27 TB/s, for an empty context.
-    assert 1000 * H200.floor_seconds(decode_step_work(shape, [0], 2)) == pytest.approx(3.52, abs=0.005)
+    assert 1000 * h200.floor_seconds(decode_step_work(shape, [0], 2)) == pytest.approx(3.52, abs=0.005)
 
 
-def test_qwen3_0_6b_tied_lm_head_is_read_as_the_lm_head() -> None:
+def test_qwen3_0_6b_tied_lm_head_is_read_as_the_lm_head(h200) -> None:
     shape = model_shape(dummy_shape_config("qwen3-0.6b"))
     assert shape.lm_head_params == 151936 * 1024
     # 596,049,920 parameters in all; the tied embedding is read once, as the LM head.
     assert shape.body_params + shape.lm_head_params == 596_049_920
     assert weight_bytes_per_step(shape, 1, 2) == (596_049_920 + 1024) * 2  # 1.19 GB
-    assert 1000 * H200.floor_seconds(decode_step_work(shape, [0], 2)) == pytest.approx(0.279, abs=0.001)
+    assert 1000 * h200.floor_seconds(decode_step_work(shape, [0], 2)) == pytest.approx(0.279, abs=0.001)
     # 28 layers x 8 KV heads x 128 x (K and V) x 2 bytes = 114,688 bytes per cached token.
     assert kv_bytes(shape, 1, 2) == 114_688
 
@@ -57,7 +55,7 @@ def test_decode_step_adds_kv_reads_and_attention_flops() -> None:
     assert empty.flops == 2 * 596_049_920 * 2
 
 
-def test_prefill_reads_weights_once_per_chunk_and_computes_causal_attention() -> None:
+def test_prefill_reads_weights_once_per_chunk_and_computes_causal_attention(h200) -> None:
     shape = model_shape(dummy_shape_config("llama-3.1-8b"))
     one = prefill_work(shape, 8192, chunk_size=8192, dtype_bytes=2)
     two = prefill_work(shape, 8192, chunk_size=4096, dtype_bytes=2)
@@ -71,8 +69,8 @@ def test_prefill_reads_weights_once_per_chunk_and_computes_causal_attention() ->
         == (2 * shape.body_params * 8192 + 2 * shape.lm_head_params + 4 * 32 * 32 * 128 * 8192 * 8193 // 2)
     )
     # An 8k prefill of an 8B model is compute-bound on an H200: about 0.16 s.
-    assert H200.floor_seconds(one) == one.flops / H200.matmul_flops_per_s
-    assert H200.floor_seconds(one) == pytest.approx(0.16, abs=0.01)
+    assert h200.floor_seconds(one) == one.flops / h200.matmul_flops_per_s
+    assert h200.floor_seconds(one) == pytest.approx(0.16, abs=0.01)
 
 
 def test_floor_is_the_slower_of_bytes_and_flops() -> None:

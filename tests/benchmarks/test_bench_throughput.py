@@ -11,7 +11,6 @@ from model_utils import TINY_CONFIGS
 from transformers import AutoModelForCausalLM
 
 from pagoda.benchmarks.roofline import (
-    DeviceRates,
     decode_step_work,
     model_shape,
     weight_bytes_per_step,
@@ -78,23 +77,20 @@ def test_nanobench_workload_is_the_published_one() -> None:
     assert head.prompts == workload.prompts[:32] and head.output_lens == workload.output_lens[:32]
 
 
-H200 = DeviceRates(copy_bytes_per_s=4.27e12, matmul_flops_per_s=789e12)
-
-
-def test_workload_floor_is_one_prefill_then_a_decode_step_per_later_token() -> None:
+def test_workload_floor_is_one_prefill_then_a_decode_step_per_later_token(h200) -> None:
     shape = model_shape(dummy_shape_config("qwen3-0.6b"))
-    floor = workload_floor_seconds(shape, [10, 20], [3, 1], chunk_size=8192, dtype_bytes=2, rates=H200)
+    floor = workload_floor_seconds(shape, [10, 20], [3, 1], chunk_size=8192, dtype_bytes=2, rates=h200)
     # Both prompts in one prefill step (30 tokens); then request 0 alone decodes its 2nd and 3rd tokens.
     prefill_bytes = weight_bytes_per_step(shape, 0, 2) + 30 * 1024 * 2
     prefill_flops = 2 * shape.body_params * 30 + 2 * 2 * shape.lm_head_params + 4 * 28 * 16 * 128 * (55 + 210)
     steps = [decode_step_work(shape, [11], 2), decode_step_work(shape, [12], 2)]
-    expected = max(prefill_bytes / 4.27e12, prefill_flops / 789e12) + sum(map(H200.floor_seconds, steps))
+    expected = max(prefill_bytes / 4.27e12, prefill_flops / 789e12) + sum(map(h200.floor_seconds, steps))
     assert floor == pytest.approx(expected, rel=1e-12)
 
 
-def test_nanobench_floor_of_the_qwen3_shape_is_about_3_5_s_on_an_h200() -> None:
+def test_nanobench_floor_of_the_qwen3_shape_is_about_3_5_s_on_an_h200(h200) -> None:
     workload = nanobench_workload()
     shape = model_shape(dummy_shape_config("qwen3-0.6b"))
-    floor = workload_floor_seconds(shape, [len(p) for p in workload.prompts], workload.output_lens, 8192, 2, H200)
+    floor = workload_floor_seconds(shape, [len(p) for p in workload.prompts], workload.output_lens, 8192, 2, h200)
     # The estimate is about 3.5 s; the KV cache read by 133k decode tokens is most of it.
     assert 3.4 < floor < 3.9
