@@ -14,6 +14,8 @@ from pagoda.distributed.parallel_state import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_TIMEOUT_S = 240
+API_KEY = "sk-test"  # the key the tests start a server with when they need one
+MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the name the default model is served under
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None, *words: str) -> dict:

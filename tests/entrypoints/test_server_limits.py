@@ -26,7 +26,7 @@ VOCAB = 49152
 MAX_NUM_SEQS, MAX_QUEUED = 2, 4
 MAX_BODY = 65536
 ENGINE_ARGS = (
-    *("--dtype", "float32", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN)),
+    *("--max-model-len", str(MAX_MODEL_LEN)),
     *("--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-queued-requests", str(MAX_QUEUED)),
     *("--max-request-body-bytes", str(MAX_BODY), "--trust-request-chat-template"),
 )
@@ -34,10 +34,8 @@ HI = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = RemoteServer(*ENGINE_ARGS, "--enable-debug-routes")
-    yield server
-    assert server.stop() == 0
+def server(start_server) -> RemoteServer:
+    return start_server(*ENGINE_ARGS, "--enable-debug-routes")
 
 
 def completion(**fields) -> dict:

