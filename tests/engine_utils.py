@@ -1,11 +1,26 @@
-"""Helpers every test folder uses: the idle check run after each test, and the default model's path."""
+"""Helpers every test folder uses: the idle check run after each test, the default model's path,
+and the targets (device, attention backend, async scheduling) the end-to-end tests run on."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 
+import pytest
+
 from pagoda.engine.llm_engine import LLMEngine
+
+# (device, attention backend, async scheduling) of the end-to-end tests against HF; the CUDA ones
+# run on the GPU machine with `pytest -m gpu`. Async scheduling (a batch queue of depth 2) is
+# CUDA's default; on the CPU it runs the same queue logic, with the previous step's ids scattered
+# into the next step's inputs.
+TARGETS = [
+    pytest.param(("cpu", "torch", False), id="cpu-torch"),
+    pytest.param(("cpu", "torch", True), id="cpu-torch-async"),
+    pytest.param(("cuda", "torch", True), id="cuda-torch", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "triton", True), id="cuda-triton", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "triton", False), id="cuda-triton-sync", marks=pytest.mark.gpu),
+]
 
 # Steps a quiescent engine may take to report its last finished requests to the runner.
 MAX_DRAIN_STEPS = 8

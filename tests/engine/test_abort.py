@@ -16,7 +16,6 @@ import time
 
 import pytest
 from engine_utils import check_engine_idle
-from model_utils import save_tiny_checkpoint
 
 from pagoda import SamplingParams
 from pagoda.config import EngineConfig
@@ -27,13 +26,6 @@ from pagoda.outputs import RequestOutput, RequestStatus
 PROMPT = list(range(1, 31))  # 30 tokens: 3 full blocks of 8, then a partial one
 OTHER_PROMPT = list(range(100, 118))
 STATES = ["waiting", "mid-prefill", "decoding", "preempted"]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("llama3"))
-    save_tiny_checkpoint("llama3", path)
-    return path
 
 
 def make_config(model: str, **overrides) -> EngineConfig:
@@ -91,8 +83,8 @@ def reached(engine: LLMEngine, victim: str, state: str) -> bool:
 
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("state", STATES)
-def test_abort_in_every_state_frees_its_blocks_at_once(tiny_model: str, state: str, n: int) -> None:
-    engine = LLMEngine(make_config(tiny_model, **({"max_num_seqs": 1} if state == "waiting" else {})))
+def test_abort_in_every_state_frees_its_blocks_at_once(tiny_llama3: str, state: str, n: int) -> None:
+    engine = LLMEngine(make_config(tiny_llama3, **({"max_num_seqs": 1} if state == "waiting" else {})))
     scheduler = engine.engine_core.scheduler
     kv = scheduler.kv_cache_manager
     # The victim goes first where it must be the one computing, last where it must wait or be preempted.
@@ -122,17 +114,17 @@ def test_abort_in_every_state_frees_its_blocks_at_once(tiny_model: str, state: s
     assert engine.abort_requests([victim, "no-such-request"]) == []  # again, and unknown: dropped
     finished = drain(engine)
     assert [o.request_id for o in finished] == [other], "the victim produced output after its abort"
-    assert finished[0].outputs[0].token_ids == run_alone(tiny_model, OTHER_PROMPT, 40)
+    assert finished[0].outputs[0].token_ids == run_alone(tiny_llama3, OTHER_PROMPT, 40)
     engine.check_idle()
 
 
 @pytest.mark.parametrize("n", [1, 3])
-def test_abort_after_the_core_finished_but_before_the_output_was_drained(tiny_model: str, n: int) -> None:
+def test_abort_after_the_core_finished_but_before_the_output_was_drained(tiny_llama3: str, n: int) -> None:
     """Over a core process: the core finishes the request and reports it, the client aborts
     before reading the report; the core drops the abort, the client drops the late output."""
     EngineCoreClient = pytest.importorskip("pagoda.engine.core_client").EngineCoreClient  # needs pyzmq
 
-    config = make_config(tiny_model)
+    config = make_config(tiny_llama3)
     client = EngineCoreClient(config)
     try:
         engine = LLMEngine(config, engine_core=client)
@@ -160,8 +152,8 @@ def test_abort_after_the_core_finished_but_before_the_output_was_drained(tiny_mo
         client.shutdown()
 
 
-def test_unknown_ids_are_dropped_by_every_layer(tiny_model: str) -> None:
-    engine = LLMEngine(make_config(tiny_model))
+def test_unknown_ids_are_dropped_by_every_layer(tiny_llama3: str) -> None:
+    engine = LLMEngine(make_config(tiny_llama3))
     scheduler = engine.engine_core.scheduler
     scheduler.finish_requests(["nobody"], RequestStatus.FINISHED_STOPPED)
     scheduler.abort_requests("nobody")
@@ -174,8 +166,8 @@ def test_unknown_ids_are_dropped_by_every_layer(tiny_model: str) -> None:
     engine.check_idle()
 
 
-def test_the_idle_fixture_catches_a_leaked_block(tiny_model: str) -> None:
-    engine = LLMEngine(make_config(tiny_model))
+def test_the_idle_fixture_catches_a_leaked_block(tiny_llama3: str) -> None:
+    engine = LLMEngine(make_config(tiny_llama3))
     engine.add_request(PROMPT, params(1, max_tokens=2))
     drain(engine)
     pool = engine.engine_core.scheduler.kv_cache_manager.block_pool
@@ -204,11 +196,11 @@ async def consume(llm, request_id: str, stream: bool, leave_after: int | None) -
     return last
 
 
-def test_async_aborts_in_every_mode_end_idle(tiny_model: str) -> None:
+def test_async_aborts_in_every_mode_end_idle(tiny_llama3: str) -> None:
     AsyncLLM = pytest.importorskip("pagoda.engine.async_llm").AsyncLLM  # needs pyzmq
 
-    expected = run_alone(tiny_model, OTHER_PROMPT, 40)
-    llm = AsyncLLM(make_config(tiny_model))
+    expected = run_alone(tiny_llama3, OTHER_PROMPT, 40)
+    llm = AsyncLLM(make_config(tiny_llama3))
 
     async def scenario(n: int, stream: bool, how: str) -> None:
         victim, other = f"victim-{n}-{stream}-{how}", f"other-{n}-{stream}-{how}"

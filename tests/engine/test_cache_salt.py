@@ -9,7 +9,6 @@ parallel samples of a salted request still share their prompt's blocks.
 from __future__ import annotations
 
 import pytest
-from model_utils import save_tiny_checkpoint
 
 from pagoda import LLM, SamplingParams
 from pagoda.errors import InvalidRequestError
@@ -20,10 +19,10 @@ FULL_HIT = 5 * BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
-    path = str(tmp_path_factory.mktemp("llama3"))
-    save_tiny_checkpoint("llama3", path)
-    return LLM(model=path, device="cpu", dtype="float32", max_model_len=128, block_size=BLOCK_SIZE, num_gpu_blocks=96)
+def llm(tiny_llama3: str) -> LLM:
+    return LLM(
+        model=tiny_llama3, device="cpu", dtype="float32", max_model_len=128, block_size=BLOCK_SIZE, num_gpu_blocks=96
+    )
 
 
 def hits_of(llm: LLM, salt: str | None, n: int = 1) -> tuple[int, list[list[int]]]:

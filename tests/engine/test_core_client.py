@@ -30,13 +30,6 @@ from pagoda.outputs import RequestOutput
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 60)), [42] * 20]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("llama3"))
-    save_tiny_checkpoint("llama3", path)
-    return path
-
-
 def make_config(model: str) -> EngineConfig:
     # 12 usable blocks of 8 tokens: a request of max_model_len (16 blocks) is refused, and the
     # tests' batches preempt each other, across the process boundary too.
@@ -46,8 +39,8 @@ def make_config(model: str) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def remote(tiny_model: str):
-    config = make_config(tiny_model)
+def remote(tiny_llama3: str):
+    config = make_config(tiny_llama3)
     client = EngineCoreClient(config)
     yield LLMEngine(config, engine_core=client)
     client.shutdown()
@@ -66,9 +59,9 @@ def run_to_end(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
     return [finished[i] for i in ids]
 
 
-def test_remote_core_generates_what_the_local_one_does(remote: LLMEngine, tiny_model: str) -> None:
+def test_remote_core_generates_what_the_local_one_does(remote: LLMEngine, tiny_llama3: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    local = run_to_end(LLMEngine(make_config(tiny_model)), PROMPTS, params)
+    local = run_to_end(LLMEngine(make_config(tiny_llama3)), PROMPTS, params)
     outputs = run_to_end(remote, PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in local]
     assert all(len(o.outputs[0].token_ids) == 12 for o in outputs)
@@ -90,7 +83,7 @@ def test_parallel_samples_and_aborts_end_idle(remote: LLMEngine) -> None:
     assert remote.engine_core.stats.kv_cache_usage == 0
 
 
-def test_a_refused_request_leaves_the_others_running(remote: LLMEngine, tiny_model: str) -> None:
+def test_a_refused_request_leaves_the_others_running(remote: LLMEngine, tiny_llama3: str) -> None:
     """A request the KV pool cannot hold comes back finished with ERROR and the reason; the
     in-process core refuses the same request when it is added."""
     too_big = remote.add_request(PROMPTS[2], SamplingParams(max_tokens=100))
@@ -104,7 +97,7 @@ def test_a_refused_request_leaves_the_others_running(remote: LLMEngine, tiny_mod
     assert len(finished[fine].outputs[0].token_ids) == 5
     remote.check_idle()
     with pytest.raises(InvalidRequestError, match="KV cache blocks"):
-        LLMEngine(make_config(tiny_model)).add_request(PROMPTS[2], SamplingParams(max_tokens=100))
+        LLMEngine(make_config(tiny_llama3)).add_request(PROMPTS[2], SamplingParams(max_tokens=100))
 
 
 def test_a_dead_core_is_reported(remote: LLMEngine) -> None:
@@ -121,13 +114,13 @@ def test_a_dead_core_is_reported(remote: LLMEngine) -> None:
         remote.add_request(PROMPTS[1], SamplingParams(max_tokens=4))
 
 
-def test_the_core_dies_with_its_parent(tiny_model: str) -> None:
+def test_the_core_dies_with_its_parent(tiny_llama3: str) -> None:
     """A parent killed outright (no shutdown, no exit handlers) leaves no core behind."""
     script = (
         "import sys, time\n"
         "from pagoda.engine.arg_utils import create_engine_config\n"
         "from pagoda.engine.core_client import EngineCoreClient\n"
-        f"config = create_engine_config(model={tiny_model!r}, device='cpu', dtype='float32', num_gpu_blocks=16)\n"
+        f"config = create_engine_config(model={tiny_llama3!r}, device='cpu', dtype='float32', num_gpu_blocks=16)\n"
         "client = EngineCoreClient(config)\n"
         "print(client.process.pid, flush=True)\n"
         "time.sleep(120)\n"
@@ -144,11 +137,11 @@ def test_the_core_dies_with_its_parent(tiny_model: str) -> None:
         parent.wait(10)
 
 
-def test_sleep_wake_and_weight_updates_run_in_the_core(tiny_model: str, tmp_path) -> None:
+def test_sleep_wake_and_weight_updates_run_in_the_core(tiny_llama3: str, tmp_path) -> None:
     """Utility calls cross the process boundary: their errors come back as exceptions with the
     core's message (the core serves on), and greedy output after each wake-up is the same."""
     config = create_engine_config(
-        model=tiny_model,
+        model=tiny_llama3,
         device="cpu",
         dtype="float32",
         max_model_len=128,

@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from engine_utils import TARGETS
 from model_utils import assert_greedy_match, hf_greedy, save_tiny_checkpoint
 
 from pagoda import LLM, SamplingParams
@@ -21,16 +22,6 @@ from pagoda import LLM, SamplingParams
 MIN_MARGIN = 1e-3
 NEW_TOKENS = 12
 ARCHITECTURES = ["llama3", "qwen2", "qwen3"]
-# (device, attention backend, async scheduling); the CUDA ones run on the GPU machine with
-# `pytest -m gpu`. Async scheduling (a batch queue of depth 2) is CUDA's default; on the CPU it
-# runs the same queue logic, with the previous step's ids scattered into the next step's inputs.
-TARGETS = [
-    pytest.param(("cpu", "torch", False), id="cpu-torch"),
-    pytest.param(("cpu", "torch", True), id="cpu-torch-async"),
-    pytest.param(("cuda", "torch", True), id="cuda-torch", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "triton", True), id="cuda-triton", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "triton", False), id="cuda-triton-sync", marks=pytest.mark.gpu),
-]
 
 
 @pytest.fixture(params=TARGETS)

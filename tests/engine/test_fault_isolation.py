@@ -17,7 +17,6 @@ import time
 
 import pytest
 from engine_utils import smollm2_gguf_path
-from model_utils import save_tiny_checkpoint
 
 import pagoda.engine.output_processor as output_processor_module
 from pagoda import SamplingParams
@@ -138,19 +137,12 @@ def test_async_reader_of_a_failed_request_gets_its_error(monkeypatch) -> None:
 # ---- the model forward fails --------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("llama3"))
-    save_tiny_checkpoint("llama3", path)
-    return path
-
-
 def tiny_config(model: str) -> EngineConfig:
     return create_engine_config(model=model, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks=64)
 
 
-def test_a_failed_forward_kills_the_in_process_engine(tiny_model: str, monkeypatch) -> None:
-    engine = LLMEngine(tiny_config(tiny_model))
+def test_a_failed_forward_kills_the_in_process_engine(tiny_llama3: str, monkeypatch) -> None:
+    engine = LLMEngine(tiny_config(tiny_llama3))
     executor = engine.engine_core.executor
     execute_model = executor.execute_model
     calls = []
@@ -177,11 +169,11 @@ async def read_all(llm, request_id: str) -> None:
         pass
 
 
-def test_a_failed_forward_in_the_core_process_fails_every_request(tiny_model: str, monkeypatch) -> None:
+def test_a_failed_forward_in_the_core_process_fails_every_request(tiny_llama3: str, monkeypatch) -> None:
     AsyncLLM = pytest.importorskip("pagoda.engine.async_llm").AsyncLLM  # needs pyzmq
 
     monkeypatch.setenv("PAGODA_TEST_CORE_FAULT", "raise@4")
-    llm = AsyncLLM(tiny_config(tiny_model))
+    llm = AsyncLLM(tiny_config(tiny_llama3))
 
     async def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
@@ -207,11 +199,11 @@ def test_a_failed_forward_in_the_core_process_fails_every_request(tiny_model: st
         llm.client.shutdown()
 
 
-def test_a_hung_forward_turns_the_engine_unhealthy(tiny_model: str, monkeypatch) -> None:
+def test_a_hung_forward_turns_the_engine_unhealthy(tiny_llama3: str, monkeypatch) -> None:
     AsyncLLM = pytest.importorskip("pagoda.engine.async_llm").AsyncLLM  # needs pyzmq
 
     monkeypatch.setenv("PAGODA_TEST_CORE_FAULT", "hang@3")
-    llm = AsyncLLM(tiny_config(tiny_model), stall_timeout_s=1.0)
+    llm = AsyncLLM(tiny_config(tiny_llama3), stall_timeout_s=1.0)
 
     async def main() -> None:
         llm.check_health()
