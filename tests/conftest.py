@@ -1,4 +1,5 @@
-"""Shared test fixtures.
+"""Shared test fixtures: session-wide ones, and those of more than one test folder (each folder's
+own conftest.py holds what its tests share).
 
 Every `LLMEngine` a test builds (directly, through `LLM`, or over a core process) is checked
 after the test: once no request of it is in flight, no request state may be left in any
@@ -22,6 +23,7 @@ if not torch.cuda.is_available():
 
 from engine_utils import check_engine_idle
 
+from pagoda.distributed.parallel_state import init_parallel_state
 from pagoda.engine.llm_engine import DEBUG_CHECK_IDLE_ENV, LLMEngine
 
 os.environ.setdefault(DEBUG_CHECK_IDLE_ENV, "1")
@@ -49,3 +51,11 @@ def _engines_end_idle():
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def parallel_state():
+    """`init_parallel_state(tp_rank, tp_size, pp_rank, pp_size)`, for tests that build one rank's
+    slice of a model in this process (no collective runs); one rank again after the test."""
+    yield init_parallel_state
+    init_parallel_state()

@@ -31,12 +31,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
 from pagoda import LLM, SamplingParams
-from pagoda.attention.backends import get_attention_backend
-from pagoda.config import ModelConfig
 from pagoda.distributed import parallel_state
 from pagoda.model.layers.activation import GeluAndMul
 from pagoda.model.layers.layernorm import GemmaRMSNorm
-from pagoda.model.loader import get_model, load_hf_config, resolve_model
 from pagoda.model.models.gemma import FULL, SLIDING, _gemma3_rope_settings
 
 ATOL = RTOL = 1e-4
@@ -95,17 +92,9 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module]:
     return path, hf_model.eval()
 
 
-def _our_model(path: str) -> torch.nn.Module:
-    model, load_format = resolve_model(path, "auto")
-    model_config = ModelConfig(
-        model=model, load_format=load_format, dtype=torch.float32, hf_config=load_hf_config(model, load_format)
-    )
-    return get_model(model_config, get_attention_backend("torch"), torch.device("cpu"))
-
-
 @pytest.fixture(scope="module")
-def our_model(checkpoint) -> torch.nn.Module:
-    return _our_model(checkpoint[0])
+def our_model(checkpoint, load_model) -> torch.nn.Module:
+    return load_model(checkpoint[0])
 
 
 def _hf_logits(hf_model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
@@ -199,7 +188,7 @@ def test_chunked_prefill_and_decode_match_hf(checkpoint, our_model):
     torch.testing.assert_close(torch.cat(out_b), _hf_logits(hf_model, tokens_b), atol=ATOL, rtol=RTOL)
 
 
-def test_two_pipeline_stages_match_hf(checkpoint):
+def test_two_pipeline_stages_match_hf(checkpoint, load_model):
     """Stage 0 (the embedding and the first layers) hands its hidden states and residual to
     stage 1 (the rest, the final norm and the tied LM head), in one process."""
     path, hf_model = checkpoint
@@ -207,7 +196,7 @@ def test_two_pipeline_stages_match_hf(checkpoint):
     try:
         for rank in range(2):
             parallel_state.init_parallel_state(pp_rank=rank, pp_size=2)
-            stages.append(_our_model(path))
+            stages.append(load_model(path))
     finally:
         parallel_state.init_parallel_state()
     tokens = torch.randint(1, VOCAB, (2 * WINDOW + 5,), generator=torch.Generator().manual_seed(2))
@@ -227,37 +216,8 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
     return [[rng.randrange(1, VOCAB) for _ in range(rng.randint(3 * WINDOW, 5 * WINDOW))] for _ in range(count)]
 
 
-# (device, attention backend, async scheduling); the CUDA ones run on the GPU machine with
-# `pytest -m gpu`.
-TARGETS = [
-    pytest.param(("cpu", "torch", False), id="cpu-torch"),
-    pytest.param(("cpu", "torch", True), id="cpu-torch-async"),
-    pytest.param(("cuda", "torch", True), id="cuda-torch", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "triton", True), id="cuda-triton", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "triton", False), id="cuda-triton-sync", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=TARGETS)
-def engine(request):
-    """Builds an `LLM` over a checkpoint for the target, in float32."""
-    device, backend, async_scheduling = request.param
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-
-    def build(path: str, **kwargs) -> LLM:
-        return LLM(
-            model=path,
-            device=device,
-            attention_backend=backend,
-            async_scheduling=async_scheduling,
-            dtype="float32",
-            max_model_len=128,
-            block_size=BLOCK_SIZE,
-            **kwargs,
-        )
-
-    return build
+# What the target (the conftest's `target` fixture: device, backend, async scheduling) leaves open.
+ENGINE = {"max_model_len": 128, "block_size": BLOCK_SIZE}
 
 
 def _check_greedy(llm: LLM, hf_model: torch.nn.Module, prompts: list[list[int]]) -> None:
@@ -272,18 +232,18 @@ def _check_greedy(llm: LLM, hf_model: torch.nn.Module, prompts: list[list[int]])
     llm.llm_engine.check_idle()
 
 
-def test_engine_chunked_prefill_and_preemption_match_hf(checkpoint, engine):
+def test_engine_chunked_prefill_and_preemption_match_hf(checkpoint, target):
     """Chunks of at most 12 tokens (1.5 windows), six requests of 3-5 windows and a pool with
     room for about two of them."""
     path, hf_model = checkpoint
-    llm = engine(path, num_gpu_blocks=48, max_num_batched_tokens=12, max_num_seqs=6)
+    llm = LLM(model=path, num_gpu_blocks=48, max_num_batched_tokens=12, max_num_seqs=6, **ENGINE, **target)
     _check_greedy(llm, hf_model, _prompts(0, count=6))
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
 
 
-def test_engine_prefix_cache_hit_matches_hf(checkpoint, engine):
+def test_engine_prefix_cache_hit_matches_hf(checkpoint, target):
     path, hf_model = checkpoint
-    llm = engine(path, num_gpu_blocks=128)
+    llm = LLM(model=path, num_gpu_blocks=128, **ENGINE, **target)
     prompt = _prompts(1, count=1)[0]
     _check_greedy(llm, hf_model, [prompt])
     kv_cache_manager = llm.llm_engine.engine_core.scheduler.kv_cache_manager

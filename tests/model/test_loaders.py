@@ -51,18 +51,6 @@ TINY_LLAMA = dict(
 )
 
 
-def _load(model: str, load_format: str = "auto", **overrides) -> torch.nn.Module:
-    model, load_format = resolve_model(model, load_format)
-    model_config = ModelConfig(
-        model=model,
-        load_format=load_format,
-        dtype=torch.float32,
-        hf_config=load_hf_config(model, load_format),
-        **overrides,
-    )
-    return get_model(model_config, get_attention_backend("torch"), torch.device("cpu"))
-
-
 def _prefill_logits(model: torch.nn.Module, token_ids: torch.Tensor, block_size: int = 16) -> torch.Tensor:
     num_tokens = len(token_ids)
     num_blocks = -(-num_tokens // block_size)
@@ -143,10 +131,10 @@ def test_dummy_shape_configs_are_the_published_ones():
     assert load_tokenizer("qwen3-0.6b", "dummy") is None
 
 
-def test_dummy_weights_are_random_finite_and_seeded(tmp_path):
+def test_dummy_weights_are_random_finite_and_seeded(load_model, tmp_path):
     model = _save_config(tmp_path, Qwen3Config(**TINY_LLAMA, head_dim=32, tie_word_embeddings=True))
     assert load_tokenizer(model, "dummy") is None
-    first, same, other = (_load(model, "dummy", seed=seed) for seed in (0, 0, 1))
+    first, same, other = (load_model(model, "dummy", seed=seed) for seed in (0, 0, 1))
     for (name, param), same_param, other_param in zip(
         first.named_parameters(), same.parameters(), other.parameters(), strict=True
     ):
@@ -169,7 +157,7 @@ def _save_tiny_llama(path) -> str:
     return str(path)
 
 
-def test_missing_checkpoint_weights_are_listed(tmp_path):
+def test_missing_checkpoint_weights_are_listed(load_model, tmp_path):
     model = _save_tiny_llama(tmp_path)
     file = os.path.join(model, "model.safetensors")
     tensors = load_file(file)
@@ -178,33 +166,33 @@ def test_missing_checkpoint_weights_are_listed(tmp_path):
     with pytest.raises(
         ValueError, match=r"2 weights missing.*model\.layers\.1\.mlp\.up_proj\.weight, model\.norm\.weight"
     ):
-        _load(model)
+        load_model(model)
 
 
-def test_checkpoint_weight_without_a_parameter_is_rejected(tmp_path):
+def test_checkpoint_weight_without_a_parameter_is_rejected(load_model, tmp_path):
     model = _save_tiny_llama(tmp_path)
     file = os.path.join(model, "model.safetensors")
     tensors = load_file(file)
     tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
     save_file(tensors, file)
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.extra_proj\.weight' has no parameter"):
-        _load(model)
+        load_model(model)
 
 
-def test_checkpoint_weight_of_the_wrong_shape_is_rejected(tmp_path):
+def test_checkpoint_weight_of_the_wrong_shape_is_rejected(load_model, tmp_path):
     model = _save_tiny_llama(tmp_path)
     file = os.path.join(model, "model.safetensors")
     tensors = load_file(file)
     tensors["model.norm.weight"] = torch.ones(1)
     save_file(tensors, file)
     with pytest.raises(ValueError, match=r"'model\.norm\.weight': shape mismatch"):
-        _load(model)
+        load_model(model)
 
 
-def test_sliding_window_layers_declare_their_window(tmp_path):
+def test_sliding_window_layers_declare_their_window(load_model, tmp_path):
     """A context longer than the window loads: each layer declares a sliding-window KV cache."""
     model = _save_config(tmp_path, MistralConfig(**TINY_LLAMA, sliding_window=16))
-    loaded = _load(model, "dummy", max_model_len=TINY_LLAMA["max_position_embeddings"])
+    loaded = load_model(model, "dummy", max_model_len=TINY_LLAMA["max_position_embeddings"])
     specs = [m.get_kv_cache_spec(16, torch.float32) for m in loaded.modules() if isinstance(m, Attention)]
     assert len(specs) == TINY_LLAMA["num_hidden_layers"]
     assert all(isinstance(spec, SlidingWindowSpec) and spec.sliding_window == 16 for spec in specs)
@@ -412,9 +400,9 @@ def test_tiny_gguf_config_from_metadata(tiny_gguf):
 
 
 @needs_gguf
-def test_gguf_quant_types_round_trip(tiny_gguf):
+def test_gguf_quant_types_round_trip(load_model, tiny_gguf):
     path, expected = tiny_gguf
-    model = _load(path)
+    model = load_model(path)
     ours = hf_named_weights(model)
     assert set(ours) == set(expected)
     for name, (weight, tolerance) in expected.items():

@@ -20,12 +20,8 @@ from model_utils import (
     save_tiny_checkpoint,
 )
 
-from pagoda.attention.backends import get_attention_backend
-from pagoda.config import ModelConfig
-from pagoda.distributed import parallel_state
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagoda.model.loader import get_model, load_hf_config, resolve_model
 
 ATOL = RTOL = 1e-4
 BLOCK_SIZE = 4
@@ -46,12 +42,8 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module]:
 
 
 @pytest.fixture(scope="module")
-def our_model(checkpoint) -> torch.nn.Module:
-    model, load_format = resolve_model(checkpoint[0], "auto")
-    model_config = ModelConfig(
-        model=model, load_format=load_format, dtype=torch.float32, hf_config=load_hf_config(model, load_format)
-    )
-    return get_model(model_config, get_attention_backend("torch"), torch.device("cpu"))
+def our_model(checkpoint, load_model) -> torch.nn.Module:
+    return load_model(checkpoint[0])
 
 
 def _hf_logits(hf_model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
@@ -98,18 +90,7 @@ def test_chunked_prefill_and_decode_in_mixed_batches_match_hf(checkpoint, our_mo
     torch.testing.assert_close(torch.cat([step1[9:], step2[1:]]), ref_b, atol=ATOL, rtol=RTOL)
 
 
-@pytest.fixture
-def tensor_parallel_ranks():
-    """Set the parallel state to each of 2 ranks in turn (weights only: no collective runs)."""
-
-    def as_rank(rank: int) -> None:
-        parallel_state.init_parallel_state(tp_rank=rank, tp_size=2)
-
-    yield as_rank
-    parallel_state.init_parallel_state()
-
-
-def test_tensor_parallel_weight_loaders_split_checkpoint_tensors(tensor_parallel_ranks):
+def test_tensor_parallel_weight_loaders_split_checkpoint_tensors(parallel_state):
     hidden, head_size, num_heads, num_kv_heads, intermediate, vocab = 8, 2, 4, 1, 6, 11
     q = torch.randn(num_heads * head_size, hidden)
     k, v = torch.randn(num_kv_heads * head_size, hidden), torch.randn(num_kv_heads * head_size, hidden)
@@ -119,7 +100,7 @@ def test_tensor_parallel_weight_loaders_split_checkpoint_tensors(tensor_parallel
     embedding = torch.randn(vocab, hidden)
 
     for rank in range(2):
-        tensor_parallel_ranks(rank)
+        parallel_state(tp_rank=rank, tp_size=2)  # weights only: no collective runs
         qkv = QKVParallelLinear(hidden, head_size, num_heads, num_kv_heads, bias=True)
         for shard_id, tensor in (("q", q), ("k", k), ("v", v)):
             qkv.weight.weight_loader(qkv.weight, tensor, shard_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,9 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagoda.attention.backends import get_attention_backend
-from pagoda.config import ModelConfig
-from pagoda.distributed.parallel_state import init_parallel_state
-from pagoda.model.loader import get_model, load_hf_config, safetensors_loader
+from pagoda.model.loader import load_hf_config, safetensors_loader
 from pagoda.model.loader.safetensors_loader import SafetensorsSlice, iter_safetensors_weights
 from pagoda.model.registry import get_model_class
 
@@ -62,17 +60,6 @@ def _save_checkpoint(path: str, num_kv_heads: int) -> dict[str, torch.Tensor]:
 def checkpoint(request, tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
     """(directory, tensors by HF name); with one KV head, both ranks replicate it."""
     return str(tmp_path), _save_checkpoint(str(tmp_path), request.param)
-
-
-@pytest.fixture
-def as_rank() -> Iterator[Callable[[int, int], None]]:
-    """Set the parallel state to one rank (weights only: no collective runs); tp 1 afterwards."""
-
-    def set_rank(rank: int, size: int = TP) -> None:
-        init_parallel_state(tp_rank=rank, tp_size=size)
-
-    yield set_rank
-    init_parallel_state()
 
 
 class _CountingSlice:
@@ -130,13 +117,6 @@ def bytes_read(monkeypatch) -> Counter[str]:
     return reads
 
 
-def _load(path: str) -> torch.nn.Module:
-    model_config = ModelConfig(
-        model=path, load_format="safetensors", dtype=torch.float32, hf_config=load_hf_config(path, "safetensors")
-    )
-    return get_model(model_config, get_attention_backend("torch"), torch.device("cpu"))
-
-
 def _rank_share(name: str, tensor: torch.Tensor, rank: int, num_kv_heads: int) -> torch.Tensor:
     """The part of checkpoint tensor `name` that rank `rank` of TP holds: what it should read."""
 
@@ -169,13 +149,13 @@ def _expected_parameters(shares: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return expected
 
 
-def test_each_rank_holds_and_reads_only_its_slices(checkpoint, as_rank, bytes_read):
+def test_each_rank_holds_and_reads_only_its_slices(load_model, checkpoint, parallel_state, bytes_read):
     path, full = checkpoint
     num_kv_heads = full["model.layers.0.self_attn.k_proj.weight"].shape[0] // HEAD_SIZE
     for rank in range(TP):
-        as_rank(rank)
+        parallel_state(tp_rank=rank, tp_size=TP)  # weights only: no collective runs
         bytes_read.clear()
-        model = _load(path)
+        model = load_model(path, "safetensors")
         shares = {name: _rank_share(name, tensor, rank, num_kv_heads) for name, tensor in full.items()}
 
         params = dict(model.named_parameters())
@@ -196,9 +176,9 @@ def test_each_rank_holds_and_reads_only_its_slices(checkpoint, as_rank, bytes_re
         assert bytes_read["model.layers.0.self_attn.k_proj.weight"] == k.numel() * 4 // min(TP, num_kv_heads)
 
 
-def test_tp1_reads_every_tensor_once_and_loads_as_from_full_tensors(checkpoint, bytes_read):
+def test_tp1_reads_every_tensor_once_and_loads_as_from_full_tensors(load_model, checkpoint, bytes_read):
     path, full = checkpoint
-    model = _load(path)
+    model = load_model(path, "safetensors")
     assert bytes_read == {name: tensor.numel() * tensor.element_size() for name, tensor in full.items()}
     ours = hf_named_weights(model)
     assert ours.keys() == full.keys()
@@ -213,17 +193,17 @@ def test_tp1_reads_every_tensor_once_and_loads_as_from_full_tensors(checkpoint, 
         assert torch.equal(param, reference), name
 
 
-def test_shape_errors_are_unchanged_for_lazy_tensors(checkpoint, as_rank):
+def test_shape_errors_are_unchanged_for_lazy_tensors(load_model, checkpoint, parallel_state):
     path, full = checkpoint
     full["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(HEADS * HEAD_SIZE - 2, HIDDEN)
     for file in glob.glob(os.path.join(path, "*.safetensors")):
         os.remove(file)
     save_file(full, os.path.join(path, "model.safetensors"))
-    as_rank(1)
+    parallel_state(tp_rank=1, tp_size=TP)
     with pytest.raises(
         ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight': checkpoint tensor has 30 rows"
     ):
-        _load(path)
+        load_model(path, "safetensors")
 
 
 def test_slice_narrows_and_materializes_exactly_and_rejects_out_of_range(tmp_path):

@@ -24,28 +24,8 @@ MIN_MARGIN = 1e-3
 LOGPROB_ATOL = 1e-4
 NEW_TOKENS = 16
 BLOCK_SIZE = 4
-TARGETS = [
-    pytest.param(("cpu", "torch", False), id="cpu-torch"),
-    pytest.param(("cpu", "torch", True), id="cpu-torch-async"),
-    pytest.param(("cuda", "torch", True), id="cuda-torch", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "triton", True), id="cuda-triton", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "triton", False), id="cuda-triton-sync", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=TARGETS)
-def target(request) -> dict:
-    device, backend, async_scheduling = request.param
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    return {
-        "device": device,
-        "attention_backend": backend,
-        "async_scheduling": async_scheduling,
-        "dtype": "float32",
-        "max_model_len": 128,
-        "block_size": BLOCK_SIZE,
-    }
+# What the target (the conftest's `target` fixture: device, backend, async scheduling) leaves open.
+ENGINE = {"max_model_len": 128, "block_size": BLOCK_SIZE}
 
 
 @pytest.fixture(scope="module", params=["mistral-sliding", "qwen2-sliding"])
@@ -86,7 +66,7 @@ def check_against_hf(llm: LLM, hf_model: torch.nn.Module, prompts: list[list[int
 
 def test_sliding_window_models_match_hf(tiny_model, target) -> None:
     path, hf_model = tiny_model
-    check_against_hf(LLM(model=path, num_gpu_blocks=512, **target), hf_model, make_prompts(0))
+    check_against_hf(LLM(model=path, num_gpu_blocks=512, **ENGINE, **target), hf_model, make_prompts(0))
 
 
 def test_chunked_prefill_across_the_window_and_preemption_match_hf(tiny_model, target) -> None:
@@ -95,14 +75,14 @@ def test_chunked_prefill_across_the_window_and_preemption_match_hf(tiny_model, t
     # Room for about two requests: Mistral's (all layers slide) hold 6 blocks each, Qwen2's also
     # grow a full-attention group's blocks.
     num_blocks = {"MistralForCausalLM": 14, "Qwen2ForCausalLM": 44}[hf_model.config.architectures[0]]
-    llm = LLM(model=path, num_gpu_blocks=num_blocks, max_num_batched_tokens=12, max_num_seqs=6, **target)
+    llm = LLM(model=path, num_gpu_blocks=num_blocks, max_num_batched_tokens=12, max_num_seqs=6, **ENGINE, **target)
     check_against_hf(llm, hf_model, make_prompts(1))
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
 
 
 def test_prefix_cache_hits_match_hf(tiny_model, target) -> None:
     path, hf_model = tiny_model
-    llm = LLM(model=path, num_gpu_blocks=512, **target)
+    llm = LLM(model=path, num_gpu_blocks=512, **ENGINE, **target)
     prompts = make_prompts(2, count=3)
     check_against_hf(llm, hf_model, prompts)
     scheduler = llm.llm_engine.engine_core.scheduler

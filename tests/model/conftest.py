@@ -1,0 +1,46 @@
+"""Model tests: our model implementations against Hugging Face transformers on tiny random
+checkpoints (logits through the paged KV path, and greedy tokens end to end through `LLM`), the
+loaders (safetensors, sliced for tensor parallelism, GGUF, dummy weights), the fused kernels and
+the Triton GEMV, and the default SmolLM2 model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from engine_utils import TARGETS
+
+from pagoda.attention.backends import get_attention_backend
+from pagoda.config import ModelConfig
+from pagoda.model.loader import get_model, load_hf_config, resolve_model
+
+
+@pytest.fixture(scope="session")
+def load_model() -> Callable[..., torch.nn.Module]:
+    """Builds our model of a checkpoint through `get_model`, in float32 on the CPU with the torch
+    attention backend: `load_model(model, load_format="auto", **model_config_fields)`."""
+
+    def load(model: str, load_format: str = "auto", **overrides) -> torch.nn.Module:
+        model, load_format = resolve_model(model, load_format)
+        model_config = ModelConfig(
+            model=model,
+            load_format=load_format,
+            dtype=torch.float32,
+            hf_config=load_hf_config(model, load_format),
+            **overrides,
+        )
+        return get_model(model_config, get_attention_backend("torch"), torch.device("cpu"))
+
+    return load
+
+
+@pytest.fixture(params=TARGETS)
+def target(request) -> dict:
+    """`LLM` settings of one of `engine_utils.TARGETS` (device, attention backend, async
+    scheduling), in float32, for the tests that compare greedy tokens with HF's end to end;
+    CUDA targets skip without a GPU."""
+    device, backend, async_scheduling = request.param
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return {"device": device, "attention_backend": backend, "async_scheduling": async_scheduling, "dtype": "float32"}
