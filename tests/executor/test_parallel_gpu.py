@@ -56,27 +56,21 @@ def tiny(tmp_path_factory) -> tuple[str, list[list[int]]]:
 
 
 @pytest.mark.parametrize("split", SPLITS)
-def test_tiny_checkpoint_split_matches_one_gpu(tiny, split) -> None:
+def test_tiny_checkpoint_split_matches_one_gpu(start_llm, tiny, split) -> None:
     path, reference = tiny
     tp, pp = split
-    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
-    try:
-        assert llm.llm_engine.config.scheduler_config.async_scheduling
-        assert [out.token_ids for out in run(llm, prompts(), 24)] == reference
-        llm.llm_engine.check_idle()
-    finally:
-        llm.shutdown()
+    llm = start_llm(path, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    assert llm.llm_engine.config.scheduler_config.async_scheduling
+    assert [out.token_ids for out in run(llm, prompts(), 24)] == reference
+    llm.llm_engine.check_idle()
 
 
 @pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs")
-def test_tiny_checkpoint_tp2_over_nccl_only_matches_one_gpu(tiny) -> None:
+def test_tiny_checkpoint_tp2_over_nccl_only_matches_one_gpu(start_llm, tiny) -> None:
     """The same split with every all-reduce on NCCL (the one-shot kernel off)."""
     path, reference = tiny
-    llm = LLM(path, dtype="float32", tensor_parallel_size=2, disable_custom_all_reduce=True, **ENGINE)
-    try:
-        assert [out.token_ids for out in run(llm, prompts(), 24)] == reference
-    finally:
-        llm.shutdown()
+    llm = start_llm(path, dtype="float32", tensor_parallel_size=2, disable_custom_all_reduce=True, **ENGINE)
+    assert [out.token_ids for out in run(llm, prompts(), 24)] == reference
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +85,14 @@ def qwen3_reference() -> dict[str, list]:
 
 
 @pytest.mark.parametrize("split", SPLITS)
-def test_dummy_qwen3_split_matches_one_gpu(qwen3_reference, split) -> None:
+def test_dummy_qwen3_split_matches_one_gpu(start_llm, qwen3_reference, split) -> None:
     tp, pp = split
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(
+        llm = start_llm(
             "qwen3-0.6b", load_format="dummy", dtype=dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE
         )
-        try:
-            outputs = run(llm, prompts(vocab=150000), 16, logprobs=2)
-        finally:
-            llm.shutdown()
+        outputs = run(llm, prompts(vocab=150000), 16, logprobs=2)
+        llm.shutdown()  # before the next dtype's engine takes the GPUs
         for ours, ref in zip(outputs, qwen3_reference[dtype], strict=True):
             if dtype == "float32":
                 assert ours.token_ids == ref.token_ids
@@ -112,9 +104,9 @@ def test_dummy_qwen3_split_matches_one_gpu(qwen3_reference, split) -> None:
 
 
 @pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs")
-def test_killed_rank_fails_the_engine_within_10_s(tiny) -> None:
+def test_killed_rank_fails_the_engine_within_10_s(start_llm, tiny) -> None:
     path, _ = tiny
-    llm = LLM(path, dtype="float32", tensor_parallel_size=2, **ENGINE)
+    llm = start_llm(path, dtype="float32", tensor_parallel_size=2, **ENGINE)
     pids = [process.pid for process in llm.llm_engine.engine_core.executor.processes]
     generation = GenerationUntilFailure(lambda: run(llm, prompts() * 30, 200))
     time.sleep(2.0)

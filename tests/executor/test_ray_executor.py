@@ -10,7 +10,6 @@ too few CPUs for the ranks fail with the count asked for; the rank layout across
 from __future__ import annotations
 
 import importlib
-import random
 import sys
 import time
 
@@ -19,27 +18,16 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from model_utils import save_tiny_checkpoint  # noqa: E402
-from parallel_utils import GenerationUntilFailure  # noqa: E402
+from parallel_utils import ENGINE, GenerationUntilFailure, greedy, make_prompts  # noqa: E402
 from ray.util import placement_group_table  # noqa: E402
 
-from pagoda import LLM, SamplingParams  # noqa: E402
+from pagoda import LLM  # noqa: E402
 from pagoda.config import ConfigError  # noqa: E402
 from pagoda.engine.errors import EngineDeadError, WorkerFailedError  # noqa: E402
 from pagoda.executor import ray as ray_executor  # noqa: E402
 
-ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "num_gpu_blocks": 64}
 RAY = {**ENGINE, "distributed_executor_backend": "ray"}
 CLUSTER_CPUS = 4
-
-
-def make_prompts(count: int = 6) -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(1, 256) for _ in range(rng.randint(1, 40))] for _ in range(count)]
-
-
-def greedy(llm: LLM, prompts: list, max_tokens: int = 10) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def live_placement_groups() -> list[str]:
@@ -63,27 +51,25 @@ def checkpoint(tmp_path_factory) -> tuple[str, list[list[int]]]:
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_split_over_ray_actors_matches_single_rank(checkpoint, tp: int, pp: int) -> None:
+def test_split_over_ray_actors_matches_single_rank(start_llm, checkpoint, tp: int, pp: int) -> None:
     path, reference = checkpoint
-    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **RAY)
+    llm = start_llm(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **RAY)
     executor = llm.llm_engine.engine_core.executor
-    try:
-        assert isinstance(executor, ray_executor.RayExecutor)
-        assert len(executor.actors) == 2 and len(live_placement_groups()) == 1
-        assert greedy(llm, make_prompts()) == reference
-        llm.llm_engine.check_idle()
-        # A rank that raises (sleep mode is off) fails the call, naming the rank and the cause.
-        with pytest.raises(WorkerFailedError, match=r"worker rank \d failed in sleep: RuntimeError: sleep mode is off"):
-            executor.collective_rpc("sleep", 1)
-    finally:
-        llm.shutdown()
+    assert isinstance(executor, ray_executor.RayExecutor)
+    assert len(executor.actors) == 2 and len(live_placement_groups()) == 1
+    assert greedy(llm, make_prompts()) == reference
+    llm.llm_engine.check_idle()
+    # A rank that raises (sleep mode is off) fails the call, naming the rank and the cause.
+    with pytest.raises(WorkerFailedError, match=r"worker rank \d failed in sleep: RuntimeError: sleep mode is off"):
+        executor.collective_rpc("sleep", 1)
+    llm.shutdown()
     assert not live_placement_groups(), "shutdown left the placement group reserved"
     assert ray.is_initialized(), "shutdown stopped a Ray cluster the executor did not start"
 
 
-def test_killed_actor_fails_the_engine_quickly(checkpoint) -> None:
+def test_killed_actor_fails_the_engine_quickly(start_llm, checkpoint) -> None:
     path, _ = checkpoint
-    llm = LLM(path, tensor_parallel_size=2, **RAY)
+    llm = start_llm(path, tensor_parallel_size=2, **RAY)
     executor = llm.llm_engine.engine_core.executor
     assert executor.output_rank == 0
     generation = GenerationUntilFailure(lambda: greedy(llm, make_prompts(4) * 50, max_tokens=100))
@@ -97,11 +83,11 @@ def test_killed_actor_fails_the_engine_quickly(checkpoint) -> None:
     assert not live_placement_groups()
 
 
-def test_actor_killed_between_calls_fails_the_next_one(checkpoint) -> None:
+def test_actor_killed_between_calls_fails_the_next_one(start_llm, checkpoint) -> None:
     """PP=2: the first stage's actor (not the driver) is dead before generate starts; the
     driver would wait for its hidden states forever, the engine must not."""
     path, _ = checkpoint
-    llm = LLM(path, pipeline_parallel_size=2, **RAY)
+    llm = start_llm(path, pipeline_parallel_size=2, **RAY)
     executor = llm.llm_engine.engine_core.executor
     assert executor.output_rank == 1
     ray.kill(executor.actors[0])
