@@ -42,6 +42,16 @@ class AttentionLimits:
 
 
 class AttentionImpl(Protocol):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None: ...
+
     def forward(
         self,
         query: torch.Tensor,
@@ -52,6 +62,28 @@ class AttentionImpl(Protocol):
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes K/V at metadata.slot_mapping."""
         ...
+
+
+class AttentionLayerImpl:
+    """The constants one layer's compute needs (backends subclass it and add `forward`)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
 
 class AttentionMetadataBuilder(Protocol):

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention.backends import AttentionBackend, AttentionLimits, CUDAGraphSupport
+from pagoda.attention.backends import AttentionBackend, AttentionLayerImpl, AttentionLimits, CUDAGraphSupport
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.kv_cache_interface import AttentionSpec
 
@@ -40,23 +40,7 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
     return k, v
 
 
-class TorchAttentionImpl:
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        num_kv_heads: int,
-        scale: float,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.num_kv_heads = num_kv_heads
-        self.scale = scale
-        self.sliding_window = sliding_window
-        self.logits_soft_cap = logits_soft_cap
-
+class TorchAttentionImpl(AttentionLayerImpl):
     def forward(
         self,
         query: torch.Tensor,

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from pagoda.attention.backends import AttentionBackend, AttentionLimits, CUDAGraphSupport
+from pagoda.attention.backends import AttentionBackend, AttentionLayerImpl, AttentionLimits, CUDAGraphSupport
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from pagoda.attention.ops.triton_unified_attention import SplitKWorkspace, choose_num_kv_splits, unified_attention
@@ -68,22 +68,7 @@ class TritonMetadataBuilder:
         )
 
 
-class TritonAttentionImpl:
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        num_kv_heads: int,
-        scale: float,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None:
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.scale = scale
-        self.sliding_window = sliding_window
-        self.logits_soft_cap = logits_soft_cap
-
+class TritonAttentionImpl(AttentionLayerImpl):
     def forward(
         self,
         query: torch.Tensor,
