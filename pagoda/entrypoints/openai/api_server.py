@@ -27,13 +27,10 @@ import asyncio
 import hmac
 import logging
 import os
-import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from types import FrameType
 from typing import Annotated, Any
 
-import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -44,6 +41,7 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.core_client import EngineDeadError
 from pagoda.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagoda.entrypoints.openai.errors import OpenAIError, engine_control_error, install_error_handlers
+from pagoda.entrypoints.openai.http_server import DrainingServer, uvicorn_config
 from pagoda.entrypoints.openai.middleware import BodySizeLimitMiddleware, DrainingMiddleware
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -108,22 +106,6 @@ async def exit_when_engine_dies(engine: AsyncLLM) -> None:
     engine.client.shutdown()
     logging.shutdown()
     os._exit(1)
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server, where a stop signal starts a drain (`app.state.draining`) and ends in
-    a normal exit: uvicorn itself re-raises the signal once done, which makes the exit code
-    -SIGTERM instead of 0."""
-
-    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
-        super().__init__(config)
-        self.app_state = app.state
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl-C: stop waiting for requests in flight
-        self.should_exit = True
-        self.app_state.draining = True
 
 
 def build_app(
@@ -259,14 +241,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
             args.enable_weight_updates,
         )
         logger.warning("serving %s on http://%s:%d", config.model_config.model, args.host, args.port)
-        uvicorn_config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
-        server = DrainingServer(uvicorn_config, app)
+        server = DrainingServer(uvicorn_config(app, args), app)
         server.run()
     finally:
         engine.client.shutdown()  # uvicorn's lifespan did it already unless the server failed to start
