@@ -42,11 +42,20 @@ class SamplingParams:
     keyed by (seed, output position), not by the batch it happens to run in; with n > 1,
     sample i draws from a seed derived from (seed, i) (sample 0 from the seed itself).
 
-    Logits are processed in this order: allowed_token_ids, bad_words and min_tokens (which
-    hide the stop tokens until min_tokens tokens exist), logit_bias, repetition_penalty
-    (over prompt and output tokens: positive logits divided, negative multiplied), then
-    frequency_penalty * count + presence_penalty * (count > 0) subtracted (over output
-    tokens), then temperature and top-k / top-p / min-p.
+    Logits are processed in this order: logit_bias, repetition_penalty (over prompt and
+    output tokens: positive logits divided, negative multiplied), frequency_penalty * count +
+    presence_penalty * (count > 0) subtracted (over output tokens), then the bans: min_tokens
+    hides the stop tokens (stop_token_ids, and eos unless ignore_eos) while fewer than
+    min_tokens tokens exist, bad_words ban their last token; then allowed_token_ids, last, so
+    no token outside it is ever sampled; then temperature and top-k / top-p / min-p. Settings
+    that leave no token to pick are refused (allowed tokens all bad_words, or all stop tokens
+    with min_tokens > 0); a bad word whose ban would leave none at some step (a multi-token
+    word, after its prefix) is not banned at that step.
+
+    min_tokens defers stop strings too (as vLLM does): a stop string counts only when its
+    last character comes from the (min_tokens + 1)-th generated token or a later one (a
+    token's text is what detokenizing it adds). It may begin in earlier text, and the output
+    is then cut where it begins, unless include_stop_str_in_output.
 
     logprobs=N returns, per generated token, the sampled token and the N most likely ones
     (0: the sampled token alone); prompt_logprobs=N does the same for every prompt token

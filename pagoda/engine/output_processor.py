@@ -215,15 +215,31 @@ class OutputProcessor:
         if core_output.error is not None:  # the core refused it (e.g. its KV pool is too small for it)
             state.error = core_output.error
         if state.detokenizer is not None and core_output.new_token_ids:
-            new_text = state.detokenizer.push(core_output.new_token_ids)
-            state.text += new_text
-            params = state.params
-            stop = find_stop_string(state.text, len(new_text), params.stop, params.include_stop_str_in_output)
+            stop = self._add_text(state, state.detokenizer, core_output.new_token_ids)
             if stop is not None:
-                stop_reason, truncate_to = stop
-                state.text = state.text[:truncate_to]
-                finish_reason = FinishReason.STOP
+                finish_reason, stop_reason = FinishReason.STOP, stop
         return finish_reason, stop_reason
+
+    @staticmethod
+    def _add_text(state: RequestState, detokenizer: IncrementalDetokenizer, new_token_ids: list[int]) -> str | None:
+        """Detokenize the new tokens (already in `state.output_token_ids`); returns the stop
+        string that ends the request, the text cut after it, or None.
+
+        Stop strings must end in text of the tokens after the first min_tokens: those tokens'
+        text is added first, unsearched (SamplingParams says why).
+        """
+        params = state.params
+        num_earlier = len(state.output_token_ids) - len(new_token_ids)
+        num_deferred = min(max(params.min_tokens - num_earlier, 0), len(new_token_ids))
+        state.text += detokenizer.push(new_token_ids[:num_deferred])
+        searched = detokenizer.push(new_token_ids[num_deferred:])
+        state.text += searched
+        stop = find_stop_string(state.text, len(searched), params.stop, params.include_stop_str_in_output)
+        if stop is None:
+            return None
+        stop_string, truncate_to = stop
+        state.text = state.text[:truncate_to]
+        return stop_string
 
     def _fail(
         self, state: RequestState, error: Exception, finished_in_core: bool, failed: list[str], now: float

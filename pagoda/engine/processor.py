@@ -82,6 +82,7 @@ class Processor:
             if not sequence:
                 raise InvalidRequestError("bad_words", "bad_words must not contain a word with no tokens")
             self._check_token_ids("bad_words", sequence)
+        self._check_some_token_left(params)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=tuple(prompt_token_ids),
@@ -93,17 +94,48 @@ class Processor:
         return request, prompt_text
 
     def check_fits_context(self, request: EngineCoreRequest) -> None:
-        """Refuse a max_tokens that cannot fit after the prompt (a server's contract; offline
-        generation instead stops at max_model_len with finish reason "length")."""
-        max_tokens = request.sampling_params.max_tokens
+        """Refuse a max_tokens or min_tokens that cannot fit after the prompt (a server's
+        contract; offline generation instead stops at max_model_len with finish reason "length")."""
+        params = request.sampling_params
         num_prompt_tokens = len(request.prompt_token_ids)
-        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+        room = self.max_model_len - num_prompt_tokens
+        if params.max_tokens is not None and params.max_tokens > room:
             raise InvalidRequestError(
                 "max_tokens",
-                f"max_tokens is too large: {max_tokens}; the prompt has {num_prompt_tokens} tokens and "
-                f"max_model_len is {self.max_model_len}, so at most {self.max_model_len - num_prompt_tokens} "
+                f"max_tokens is too large: {params.max_tokens}; the prompt has {num_prompt_tokens} tokens and "
+                f"max_model_len is {self.max_model_len}, so at most {room} "
                 "(leave max_tokens out to generate until the end of the context)",
             )
+        if params.min_tokens > room:
+            raise InvalidRequestError(
+                "min_tokens",
+                f"min_tokens is too large: {params.min_tokens}; the prompt has {num_prompt_tokens} tokens and "
+                f"max_model_len is {self.max_model_len}, so at most {room}",
+            )
+
+    def _check_some_token_left(self, params: SamplingParams) -> None:
+        """Refuse settings under which no token may ever be sampled: single-token bad words are
+        banned at every step, and the stop tokens too before min_tokens tokens exist. (Bans that
+        depend on the output so far give way at run time instead: see SamplingParams.)"""
+        always_banned = {sequence[0] for sequence in params.bad_words_token_ids if len(sequence) == 1}
+        field = "allowed_token_ids" if params.allowed_token_ids is not None else "bad_words"
+        candidates = "allowed_token_ids" if params.allowed_token_ids is not None else "vocabulary"
+        if not self._num_left(params, always_banned):
+            raise InvalidRequestError(field, f"every token of the {candidates} is one of the bad_words: none is left")
+        stops = params.all_stop_token_ids
+        if params.min_tokens > 0 and not self._num_left(params, always_banned | stops):
+            raise InvalidRequestError(
+                "stop_token_ids" if params.allowed_token_ids is None else field,
+                f"with min_tokens {params.min_tokens}, every token of the {candidates} is a stop token "
+                f"(eos or stop_token_ids, {sorted(stops)}) or one of the bad_words: none is left to pick "
+                "before min_tokens tokens exist",
+            )
+
+    def _num_left(self, params: SamplingParams, banned: set[int]) -> int:
+        """How many tokens the request may pick once `banned` is taken away."""
+        if params.allowed_token_ids is None:
+            return self.vocab_size - len(banned)
+        return len(set(params.allowed_token_ids) - banned)
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word as written and with a leading space, when that space merges into its first token."""

@@ -1,4 +1,4 @@
-"""Logits processing before temperature and truncation: allowed tokens, bans, logit bias, penalties.
+"""Logits processing before temperature and truncation: logit bias, penalties, bans, allowed tokens.
 
 Each pass runs over the whole step at once and only when some row of the step needs it (the
 metadata field is None otherwise). Rows that do not use a pass hold neutral values, which
@@ -14,23 +14,29 @@ from pagoda.sample.metadata import PenaltyMetadata, SamplingMetadata, TokenEntri
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """A float32 copy of the logits with every pass the step needs applied, or the logits
-    themselves when none is needed (they are never modified: raw logprobs read them)."""
+    themselves when none is needed (they are never modified: raw logprobs read them).
+
+    The passes that change values (logit bias, penalties) come first and the masks last, the
+    allowed set the very last: no later pass can lift a ban or bring back a token outside the
+    allowed set. The bans never cover a row's whole allowed set (the runner's SamplingBatch
+    drops those that would), so every row keeps a token it may pick.
+    """
     if not metadata.processes_logits:
         return logits
     processed = logits.to(torch.float32, copy=True)
-    if metadata.allowed_token_ids is not None:
-        assert metadata.allowed_rows is not None
-        apply_allowed_token_ids(processed, metadata.allowed_rows, metadata.allowed_token_ids)
-    if metadata.banned_token_ids is not None:
-        banned = metadata.banned_token_ids
-        minus_inf = torch.full(banned.rows.shape, float("-inf"), device=processed.device)
-        processed.index_put_((banned.rows, banned.token_ids), minus_inf)
     if metadata.logit_bias is not None:
         bias = metadata.logit_bias
         assert bias.values is not None
         processed.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
     if metadata.penalties is not None:
         apply_penalties(processed, metadata.penalties)
+    if metadata.banned_token_ids is not None:
+        banned = metadata.banned_token_ids
+        minus_inf = torch.full(banned.rows.shape, float("-inf"), device=processed.device)
+        processed.index_put_((banned.rows, banned.token_ids), minus_inf)
+    if metadata.allowed_token_ids is not None:
+        assert metadata.allowed_rows is not None
+        apply_allowed_token_ids(processed, metadata.allowed_rows, metadata.allowed_token_ids)
     return processed
 
 

@@ -48,11 +48,11 @@ class SamplingMetadata:
     seeds: torch.Tensor  # [B] int64; the runner draws one for unseeded requests
     output_positions: torch.Tensor  # [B] int64; index in the request's output of the token being sampled
     # Logits processing, in the order applied (see SamplingParams).
-    allowed_token_ids: TokenEntries | None = None  # rows listed here may only pick their listed tokens
-    allowed_rows: torch.Tensor | None = None  # [B] bool: the rows restricted by allowed_token_ids
-    banned_token_ids: TokenEntries | None = None  # bad words matched this step, stop tokens under min_tokens
     logit_bias: TokenEntries | None = None
     penalties: PenaltyMetadata | None = None
+    banned_token_ids: TokenEntries | None = None  # bad words matched this step, stop tokens under min_tokens
+    allowed_token_ids: TokenEntries | None = None  # rows listed here may only pick their listed tokens
+    allowed_rows: torch.Tensor | None = None  # [B] bool: the rows restricted by allowed_token_ids
     # Top-N logprobs to return (the most any row asked for); None when no row asked.
     max_num_logprobs: int | None = None
 

@@ -113,7 +113,9 @@ class SamplingBatch:
         self.uses_penalties[row] = params.uses_penalties
         bias = params.logit_bias or {}
         self.logit_bias.set_row(row, list(bias) or None, list(bias.values()) or None)
-        self.allowed_token_ids.set_row(row, params.allowed_token_ids)
+        # Distinct: `_emptied_rows` counts a row's candidates by its list's length.
+        allowed = None if params.allowed_token_ids is None else sorted(set(params.allowed_token_ids))
+        self.allowed_token_ids.set_row(row, allowed)
         hidden_stops = sorted(params.all_stop_token_ids) if params.min_tokens > 0 else []
         self.min_tokens_stop_ids.set_row(row, hidden_stops or None)
         self.bad_words.set_row(row, params.bad_words_token_ids)
@@ -242,27 +244,64 @@ class SamplingBatch:
         num_tokens: np.ndarray,
         num_prompt_tokens: np.ndarray,
     ) -> TokenEntries | None:
-        """Bad words whose prefix the output ends with, and stop tokens of rows still short of min_tokens."""
+        """Stop tokens of rows still short of min_tokens, and bad words whose prefix the output ends with.
+
+        Neither may leave a row nothing to pick (see `_yielding_bans`).
+        """
         hiding_stops = self.min_tokens_stop_ids.present[sample_rows] & (num_output < self.min_tokens[sample_rows])
         has_bad_words = self.bad_words.present[sample_rows].any()
         if not has_bad_words and not hiding_stops.any():
             return None
-        rows, banned_ids = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        layers = [self._hidden_stops(sample_rows, hiding_stops)]
         if has_bad_words:
-            word_rows, word_ids = self.bad_words.banned(sample_rows, token_ids, num_tokens, num_prompt_tokens)
-            rows.append(word_rows)
-            banned_ids.append(word_ids)
-        if hiding_stops.any():
-            stop_rows, stop_ids, _ = self.min_tokens_stop_ids.flat()
-            index = sample_index_of_rows(sample_rows, self.max_num_reqs)[stop_rows]
-            keep = index >= 0
-            keep[keep] = hiding_stops[index[keep]]
-            rows.append(index[keep])
-            banned_ids.append(stop_ids[keep])
+            layers.append(self.bad_words.banned(sample_rows, token_ids, num_tokens, num_prompt_tokens))
+        rows, banned_ids = self._yielding_bans(sample_rows, layers)
         return TokenEntries(
-            rows=torch.from_numpy(np.concatenate(rows)).to(self.device, non_blocking=True),
-            token_ids=torch.from_numpy(np.concatenate(banned_ids)).to(self.device, non_blocking=True),
+            rows=torch.from_numpy(rows).to(self.device, non_blocking=True),
+            token_ids=torch.from_numpy(banned_ids).to(self.device, non_blocking=True),
         )
+
+    def _hidden_stops(self, sample_rows: np.ndarray, hiding_stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sampled row index, token id) of the stop tokens that min_tokens hides this step."""
+        stop_rows, stop_ids, _ = self.min_tokens_stop_ids.flat()
+        index = sample_index_of_rows(sample_rows, self.max_num_reqs)[stop_rows]
+        keep = index >= 0
+        keep[keep] = hiding_stops[index[keep]]
+        return index[keep], stop_ids[keep]
+
+    def _yielding_bans(
+        self, sample_rows: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The bans of every layer (strongest first), less a layer's bans on a row they would leave
+        with no token to pick on top of the stronger layers' (its allowed set, or the vocabulary).
+
+        So the allowed set wins over min_tokens, which wins over bad words: a bad word that would
+        ban a row's last allowed token is not banned at that step. The processor refuses requests
+        whose settings leave no token at all; this only catches what depends on the output so far.
+        """
+        rows, banned_ids = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        for layer_rows, layer_ids in layers:
+            with_layer = np.concatenate([rows, layer_rows]), np.concatenate([banned_ids, layer_ids])
+            keep = ~np.isin(layer_rows, self._emptied_rows(sample_rows, *with_layer))
+            rows, banned_ids = np.concatenate([rows, layer_rows[keep]]), np.concatenate([banned_ids, layer_ids[keep]])
+        return rows, banned_ids
+
+    def _emptied_rows(self, sample_rows: np.ndarray, rows: np.ndarray, banned_ids: np.ndarray) -> list[int]:
+        """The sampled rows whose bans cover every token they may pick."""
+        num_candidates = np.full(len(sample_rows), self.vocab_size, dtype=np.int64)
+        allowed_rows, _, _ = self.allowed_token_ids.flat()
+        num_allowed = np.bincount(allowed_rows, minlength=self.max_num_reqs)[sample_rows]
+        restricted = self.restricted[sample_rows]
+        num_candidates[restricted] = num_allowed[restricted]
+        # A row with fewer ban entries than candidates keeps some token: only the others need a look.
+        at_risk = np.flatnonzero(np.bincount(rows, minlength=len(sample_rows)) >= num_candidates)
+        return [row for row in at_risk.tolist() if self._bans_cover(int(sample_rows[row]), banned_ids[rows == row])]
+
+    def _bans_cover(self, batch_row: int, banned_ids: np.ndarray) -> bool:
+        """True when the bans leave the row's allowed set (or the whole vocabulary) empty."""
+        if self.restricted[batch_row]:
+            return bool(np.isin(self.allowed_token_ids.token_ids[batch_row], banned_ids).all())
+        return len(np.unique(banned_ids)) >= self.vocab_size
 
     def _penalties(
         self, sample_rows: np.ndarray, rows_of: Callable[[torch.Tensor], torch.Tensor]
