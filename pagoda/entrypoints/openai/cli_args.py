@@ -8,6 +8,13 @@ import argparse
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_NUM_QUEUED_REQUESTS = 4096
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+# Far below a typical file-descriptor limit, far above one host's need of connections that each
+# carry one request at a time (HTTP/1.1).
+DEFAULT_MAX_CONNECTIONS = 1024
+# A header is a few hundred bytes: seconds are generous on any network.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+# The largest body (--max-request-body-bytes, 32 MiB) in this time needs about 0.5 MiB/s.
+DEFAULT_BODY_TIMEOUT_S = 60.0
 
 
 def _positive_int(text: str) -> int:
@@ -21,6 +28,13 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -42,6 +56,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BODY_BYTES})",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"open connections beyond this are answered 503 and closed at once (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=_positive_float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a client has to send a request's header, from the connection's opening or the "
+        f"previous response's end; then the connection is closed (default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=_positive_float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a client has to send a request's body once its header is in; then 408 and the "
+        f"connection is closed. Responses are never timed (default {DEFAULT_BODY_TIMEOUT_S:g})",
     )
     group.add_argument(
         "--shutdown-timeout",

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+
+from pagoda.entrypoints.openai.http_protocol import ConnectionLimits, GuardedH11Protocol
 
 
 class DrainingServer(uvicorn.Server):
@@ -27,11 +30,15 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(app: FastAPI, args: argparse.Namespace) -> uvicorn.Config:
-    """uvicorn's settings from the `pagoda serve` flags."""
+    """uvicorn's settings from the `pagoda serve` flags. The protocol is pinned (h11, with the
+    guards of http_protocol) rather than left to whichever parser happens to be installed."""
+    limits = ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout)
     return uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
+        http=functools.partial(GuardedH11Protocol, limits=limits),  # type: ignore[arg-type]
+        ws="none",
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
