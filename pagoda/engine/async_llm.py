@@ -21,13 +21,17 @@ never come); a sleep refused by the core (requests in flight) raises its error a
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from pagoda.config import EngineConfig
 from pagoda.engine.core_client import DEFAULT_UTILITY_TIMEOUT_S, EngineCoreClient
+from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.engine.errors import EngineDeadError, EngineSleepingError, RequestFailedError
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
@@ -40,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 STALL_TIMEOUT_ENV = "PAGODA_HEALTH_STALL_S"
 DEFAULT_STALL_TIMEOUT_S = 60.0
+
+Result = TypeVar("Result")
+ProcessedRequest = tuple[EngineCoreRequest, str | None]
 
 
 class EngineOverloadedError(Exception):
@@ -94,6 +101,13 @@ class AsyncLLM:
             self.client.shutdown()
             raise
         self.tokenizer = self.engine.tokenizer
+        # Tokenizing and chat-template rendering run on one processing thread, off the event
+        # loop, with a tokenizer of its own: HF fast tokenizers set split_special_tokens on
+        # the shared backend at each call, so two threads encoding at once can tokenize a
+        # user's text with special-token matching on (and forge control tokens).
+        self._processing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-processing")
+        self.processing_tokenizer = copy.deepcopy(self.tokenizer)
+        self.engine.processor.tokenizer = self.processing_tokenizer
         self.dead_error: EngineDeadError | None = None
         # Set when the engine core died of a failure (not when the server shuts it down).
         self.died = asyncio.Event()
@@ -129,19 +143,47 @@ class AsyncLLM:
     ) -> None:
         """Validate and tokenize every (prompt, params, request id) first, then queue them all:
         an invalid one (InvalidRequestError) rejects the lot before any runs. `cache_salt`
-        (one tenant's key) keeps their prefix-cache blocks apart from other salts'."""
+        (one tenant's key) keeps their prefix-cache blocks apart from other salts'. It
+        tokenizes on the caller's thread: a server calls `add_requests_async`."""
+        self._check_can_add(requests)
+        self._queue(self._process(requests, cache_salt))
+
+    async def add_requests_async(
+        self, requests: Sequence[tuple[PromptType, SamplingParams, str]], cache_salt: str | None = None
+    ) -> None:
+        """`add_requests` with the validation and tokenizing on the processing thread, and only
+        the queueing on the event loop's."""
+        self._check_can_add(requests)
+        processed = await self.run_processing(lambda: self._process(requests, cache_salt))
+        self._check_can_add(requests)  # the engine may have died, slept or filled up meanwhile
+        self._queue(processed)
+
+    async def run_processing(self, work: Callable[[], Result]) -> Result:
+        """Run CPU-heavy request work (tokenizing with `processing_tokenizer`, rendering chat
+        templates) on the processing thread, one job at a time."""
+        return await asyncio.get_running_loop().run_in_executor(self._processing, work)
+
+    def _check_can_add(self, requests: Sequence[tuple[PromptType, SamplingParams, str]]) -> None:
         if self.dead_error is not None:
             raise self.dead_error
         if self.sleeping:
             raise EngineSleepingError("the engine is sleeping: wake it up first (POST /wake_up)")
+        self._check_can_ever_fit(requests)
         self._check_queue_room(sum(params.n for _, params, _ in requests))
-        self._start_output_loop()
-        arrival = time.monotonic()
+
+    def _process(
+        self, requests: Sequence[tuple[PromptType, SamplingParams, str]], cache_salt: str | None
+    ) -> list[ProcessedRequest]:
         processed = [
             self.engine.process(prompt, params, request_id, cache_salt) for prompt, params, request_id in requests
         ]
         for request, _ in processed:
             self.engine.processor.check_fits_context(request)
+        return processed
+
+    def _queue(self, processed: list[ProcessedRequest]) -> None:
+        self._start_output_loop()
+        arrival = time.monotonic()
         for request, prompt_text in processed:
             self.engine.enqueue(request, prompt_text)
             core_request_ids = self.engine.output_processor.core_request_ids([request.request_id])
@@ -155,6 +197,23 @@ class AsyncLLM:
         in_flight = sum(len(stream.core_request_ids) for stream in self._streams.values())
         running = self.client.stats.num_running_reqs if self.client.stats is not None else 0
         return max(in_flight - running, 0)
+
+    def _check_can_ever_fit(self, requests: Sequence[tuple[PromptType, SamplingParams, str]]) -> None:
+        """More samples than the waiting queue holds would be refused (503) however long a
+        client retried: that is the request's fault (400)."""
+        limit = self.config.scheduler_config.max_num_queued_requests
+        largest_n = max((params.n for _, params, _ in requests), default=0)
+        if largest_n > limit:
+            raise InvalidRequestError(
+                "n", f"n must be at most --max-num-queued-requests ({limit}) on this server, got {largest_n}"
+            )
+        total = sum(params.n for _, params, _ in requests)
+        if total > limit:
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(requests)} prompts of n samples make {total} requests, more than "
+                f"--max-num-queued-requests ({limit}) lets this server queue at once",
+            )
 
     def _check_queue_room(self, num_new: int) -> None:
         limit = self.config.scheduler_config.max_num_queued_requests
@@ -277,6 +336,7 @@ class AsyncLLM:
         return self.client.take_utility_result(number)
 
     async def shutdown(self) -> None:
+        self._processing.shutdown(wait=False, cancel_futures=True)
         if self._output_task is not None:
             self._output_task.cancel()
             await asyncio.gather(self._output_task, return_exceptions=True)

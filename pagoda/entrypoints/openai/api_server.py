@@ -42,6 +42,7 @@ from pagoda.engine.core_client import EngineDeadError
 from pagoda.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagoda.entrypoints.openai.errors import OpenAIError, engine_control_error, install_error_handlers
 from pagoda.entrypoints.openai.http_server import DrainingServer, uvicorn_config
+from pagoda.entrypoints.openai.limits import request_limits
 from pagoda.entrypoints.openai.middleware import BodySizeLimitMiddleware, DrainingMiddleware
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -54,6 +55,7 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeResponse,
     UpdateWeightsRequest,
 )
+from pagoda.entrypoints.openai.request_body import body_schema, install_body_schemas, parse_body
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -136,6 +138,10 @@ def build_app(
     chat = OpenAIServingChat(engine, served_model_name, trust_request_chat_template)
     tokenization = OpenAIServingTokenization(engine, served_model_name, trust_request_chat_template)
     max_model_len = engine.config.model_config.max_model_len
+    limits = request_limits(engine.tokenizer, max_model_len)
+    install_body_schemas(
+        app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, UpdateWeightsRequest]
+    )
 
     @app.get("/health")
     async def health() -> Response:
@@ -151,21 +157,23 @@ def build_app(
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=max_model_len)])
 
-    @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
+    async def create_completion(raw_request: Request) -> Response:
+        body = await parse_body(raw_request, CompletionRequest, limits)
         return await completions.create(body, raw_request)
 
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+    async def create_chat_completion(raw_request: Request) -> Response:
+        body = await parse_body(raw_request, ChatCompletionRequest, limits)
         return await chat.create(body, raw_request)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return tokenization.tokenize(body)
+    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
+    async def tokenize(raw_request: Request) -> TokenizeResponse:
+        return await tokenization.tokenize(await parse_body(raw_request, TokenizeRequest, limits))
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return tokenization.detokenize(body)
+    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest))
+    async def detokenize(raw_request: Request) -> DetokenizeResponse:
+        return await tokenization.detokenize(await parse_body(raw_request, DetokenizeRequest, limits))
 
     @app.post("/sleep")
     async def sleep(level: str = "1") -> dict[str, Any]:
@@ -196,9 +204,10 @@ def build_app(
     async def is_sleeping() -> dict[str, Any]:
         return {"is_sleeping": await engine.is_sleeping()}
 
-    @app.post("/update_weights")
-    async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
+    @app.post("/update_weights", openapi_extra=body_schema(UpdateWeightsRequest))
+    async def update_weights(raw_request: Request) -> dict[str, Any]:
         """Load the checkpoint at `path` in place (with --enable-weight-updates only)."""
+        body = await parse_body(raw_request, UpdateWeightsRequest, limits)
         if not enable_weight_updates:
             raise OpenAIError(403, "weight updates are off: start the server with --enable-weight-updates")
         try:

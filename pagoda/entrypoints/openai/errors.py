@@ -4,6 +4,7 @@ and the status that fits it; none of them reaches the engine or disturbs another
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -72,16 +73,28 @@ def invalid_request(error: InvalidRequestError, param_names: dict[str, str] | No
     return OpenAIError(400, message, param=param)
 
 
-def validation_error(error: RequestValidationError) -> OpenAIError:
-    """A 400 naming the first bad field of the body, the rule it broke and the value sent."""
-    first = error.errors()[0]
+def not_json_error() -> OpenAIError:
+    return OpenAIError(400, "the request body must be JSON, sent with 'Content-Type: application/json'")
+
+
+def invalid_json_error(detail: str) -> OpenAIError:
+    return OpenAIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json")
+
+
+def empty_body_error() -> OpenAIError:
+    return OpenAIError(400, "the request body is empty: send a JSON object", code="invalid_json")
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
+    """A 400 naming the first bad field of the body, the rule it broke and the value sent
+    (`errors` as pydantic lists them; FastAPI's locations start with "body")."""
+    first = errors[0]
     if first["type"] == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "invalid JSON")
-        return OpenAIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json")
+        return invalid_json_error(first.get("ctx", {}).get("error", "invalid JSON"))
     if isinstance(first.get("input"), bytes):  # the body was not parsed as JSON
-        return OpenAIError(400, "the request body must be JSON, sent with 'Content-Type: application/json'")
+        return not_json_error()
     if first["type"] == "missing" and tuple(first["loc"]) == ("body",):
-        return OpenAIError(400, "the request body is empty: send a JSON object", code="invalid_json")
+        return empty_body_error()
     param = _param_path([part for part in first["loc"] if part != "body"])
     message = str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"]
     if first["type"] != "missing" and "input" in first:
@@ -130,7 +143,7 @@ def engine_control_error(error: Exception) -> OpenAIError:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, error: RequestValidationError) -> JSONResponse:
-        return validation_error(error).response()
+        return validation_error(error.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -85,7 +85,7 @@ class OpenAIServing:
         except InvalidRequestError as error:
             raise invalid_request(error, self.param_names) from error
 
-    def start(
+    async def start(
         self, prompts: list[PromptType], params: SamplingParams, id_prefix: str, cache_salt: str | None = None
     ) -> tuple[str, list[str]]:
         """Queue one engine request per prompt (all or none); returns the response's id and the
@@ -93,7 +93,7 @@ class OpenAIServing:
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         try:
-            self.engine.add_requests(
+            await self.engine.add_requests_async(
                 [(p, params, rid) for p, rid in zip(prompts, request_ids, strict=True)], cache_salt=cache_salt
             )
         except InvalidRequestError as error:

@@ -8,8 +8,8 @@ from typing import ClassVar
 
 from starlette.requests import Request
 from starlette.responses import Response
-from transformers import PreTrainedTokenizerBase
 
+from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.chat import render_chat
 from pagoda.entrypoints.openai.errors import OpenAIError, invalid_request
 from pagoda.entrypoints.openai.protocol import (
@@ -39,10 +39,10 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-        prompt = render_messages(self.tokenizer, body, self.trust_request_chat_template)
+        prompt = await render_messages(self.engine, body, self.trust_request_chat_template)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        response_id, request_ids = self.start([prompt], params, "chatcmpl", body.cache_salt)
+        response_id, request_ids = await self.start([prompt], params, "chatcmpl", body.cache_salt)
         outputs = self.outputs(request_ids)
         stops = list(params.stop)
         return await self.respond(
@@ -139,13 +139,12 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
 
-def render_messages(
-    tokenizer: PreTrainedTokenizerBase | None,
-    body: ChatCompletionRequest | TokenizeRequest,
-    trust_request_chat_template: bool,
+async def render_messages(
+    engine: AsyncLLM, body: ChatCompletionRequest | TokenizeRequest, trust_request_chat_template: bool
 ) -> list[int]:
     """The conversation's prompt token ids under the model's chat template (or the request's,
-    when the server trusts requests with templates)."""
+    when the server trusts requests with templates), rendered on the engine's processing thread."""
+    tokenizer = engine.processing_tokenizer
     if tokenizer is None:
         raise OpenAIError(400, "this model has no tokenizer, so no chat template: use /v1/completions", "messages")
     assert body.messages is not None
@@ -157,18 +156,16 @@ def render_messages(
                 "(start it with --trust-request-chat-template to allow it)",
                 field,
             )
+    # Contents are str once validated (text parts are joined).
     conversation = [
-        {
-            "role": "system" if message.role == "developer" else message.role,
-            "content": message.content
-            if isinstance(message.content, str)
-            else "\n".join(p.text for p in message.content),
-        }
+        {"role": "system" if message.role == "developer" else message.role, "content": message.content}
         for message in body.messages
     ]
     try:
-        return render_chat(
-            tokenizer, conversation, body.add_generation_prompt, body.chat_template, body.chat_template_kwargs
+        return await engine.run_processing(
+            lambda: render_chat(
+                tokenizer, conversation, body.add_generation_prompt, body.chat_template, body.chat_template_kwargs
+            )
         )
     except InvalidRequestError as error:
         raise invalid_request(error, OpenAIServingChat.param_names) from error

@@ -27,7 +27,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.echo and body.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = body.logprobs
         params = self.sampling_params(body, body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
-        response_id, request_ids = self.start(prompt_list(body.prompt), params, "cmpl", body.cache_salt)
+        response_id, request_ids = await self.start(prompt_list(body.prompt), params, "cmpl", body.cache_salt)
         outputs = self.outputs(request_ids)
         stops = list(params.stop)
         return await self.respond(
