@@ -48,9 +48,9 @@ class SamplingParams:
     hides the stop tokens (stop_token_ids, and eos unless ignore_eos) while fewer than
     min_tokens tokens exist, bad_words ban their last token; then allowed_token_ids, last, so
     no token outside it is ever sampled; then temperature and top-k / top-p / min-p. Settings
-    that leave no token to pick are refused (allowed tokens all bad_words, or all stop tokens
-    with min_tokens > 0); a bad word whose ban would leave none at some step (a multi-token
-    word, after its prefix) is not banned at that step.
+    that leave no token to pick are refused (allowed tokens all one-token bad_words, or all
+    those and stop tokens with min_tokens > 0); at a step where the bad words of several
+    tokens would ban the last token left, they are not banned.
 
     min_tokens defers stop strings too (as vLLM does): a stop string counts only when its
     last character comes from the (min_tokens + 1)-th generated token or a later one (a

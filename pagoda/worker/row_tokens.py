@@ -126,8 +126,9 @@ class BadWords:
         token_ids: np.ndarray,
         num_tokens: np.ndarray,
         num_prompt_tokens: np.ndarray,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(sampled row index, token id) of every word whose prefix ends the row's output now."""
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(sampled row index, token id) of every word whose prefix ends the row's output now: of
+        the one-token words (banned at every step), then of the longer ones (banned after their prefix)."""
         word_rows, prefixes, prefix_lens, last_tokens = self._flatten()
         index = sample_index_of_rows(sample_rows, len(self.present))[word_rows]
         keep = index >= 0
@@ -138,4 +139,5 @@ class BadWords:
         history = token_ids[rows[:, None], columns]
         matched = ((history == prefixes) | (prefixes < 0)).all(axis=1)
         matched &= ends - num_prompt_tokens[rows] >= prefix_lens[keep]
-        return index[keep][matched], last_tokens[keep][matched]
+        rows, tokens, single = index[keep][matched], last_tokens[keep][matched], prefix_lens[keep][matched] == 0
+        return [(rows[single], tokens[single]), (rows[~single], tokens[~single])]

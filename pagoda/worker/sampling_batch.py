@@ -254,7 +254,7 @@ class SamplingBatch:
             return None
         layers = [self._hidden_stops(sample_rows, hiding_stops)]
         if has_bad_words:
-            layers.append(self.bad_words.banned(sample_rows, token_ids, num_tokens, num_prompt_tokens))
+            layers += self.bad_words.banned(sample_rows, token_ids, num_tokens, num_prompt_tokens)
         rows, banned_ids = self._yielding_bans(sample_rows, layers)
         return TokenEntries(
             rows=torch.from_numpy(rows).to(self.device, non_blocking=True),
@@ -275,9 +275,11 @@ class SamplingBatch:
         """The bans of every layer (strongest first), less a layer's bans on a row they would leave
         with no token to pick on top of the stronger layers' (its allowed set, or the vocabulary).
 
-        So the allowed set wins over min_tokens, which wins over bad words: a bad word that would
-        ban a row's last allowed token is not banned at that step. The processor refuses requests
-        whose settings leave no token at all; this only catches what depends on the output so far.
+        The layers are min_tokens' stop tokens, one-token bad words, longer bad words: the allowed
+        set wins over all, and a row's longer bad words are not banned at a step where they would
+        ban its last token left. The processor refuses settings whose first two layers leave no
+        token (which the same rule would otherwise resolve here); only the last depends on the
+        output so far.
         """
         rows, banned_ids = np.zeros(0, np.int64), np.zeros(0, np.int64)
         for layer_rows, layer_ids in layers:

@@ -430,3 +430,110 @@ def test_stop_strings_are_deferred_by_token_within_one_step(smollm2: LLM) -> Non
         assert second.stopped_by_string == ["r"], (min_tokens, split)
         assert second.outputs[0].outputs[0].text == expected, (min_tokens, split)
         processor.check_idle()
+
+
+def with_bad_word_ids(params: SamplingParams, words: list[list[int]]) -> SamplingParams:
+    """Bad words as token ids: the tiny checkpoint has no tokenizer to turn strings into them."""
+    params.bad_words_token_ids = words
+    return params
+
+
+def test_allowed_token_ids_hold_against_min_tokens_and_bad_words_over_many_seeds(tiny_model) -> None:
+    """Allowed {7, 9, 11}; 7 and 9 stop, and min_tokens 4 hides them; the bad word (11, 11)
+    would then leave nothing after an 11, so it gives way until min_tokens is reached; after
+    that it holds and only a stop token is left."""
+    path, _ = tiny_model
+    llm = LLM(model=path, **ENGINE)
+    prompts = make_prompts(11, [5] * 32)
+    params = [
+        with_bad_word_ids(
+            SamplingParams(
+                temperature=1.5, seed=seed, allowed_token_ids=[7, 9, 11], stop_token_ids=[7, 9], min_tokens=4
+            ),
+            [[11, 11]],
+        )
+        for seed in range(len(prompts))
+    ]
+    for output in generate(llm, prompts, params):
+        completion = output.outputs[0]
+        assert completion.token_ids[:4] == [11] * 4
+        assert len(completion.token_ids) == 5 and completion.token_ids[4] in (7, 9)
+        assert completion.finish_reason == "stop" and completion.stop_reason == completion.token_ids[4]
+
+
+EOS = 5
+
+
+def llm_with_eos(path: str) -> LLM:
+    """An engine on the tiny checkpoint (which names no eos token) that treats EOS as its eos."""
+    llm = LLM(model=path, **ENGINE)
+    llm.llm_engine.processor.eos_token_ids = {EOS}
+    return llm
+
+
+def test_allowed_token_ids_with_min_tokens_stay_in_the_set_over_many_seeds(tiny_model) -> None:
+    path, _ = tiny_model
+    llm = llm_with_eos(path)
+    allowed = [EOS, 3, 200]
+    prompts = make_prompts(12, [6] * 32)
+    params = [
+        SamplingParams(temperature=2.0, seed=seed, allowed_token_ids=allowed, min_tokens=6, max_tokens=8, logprobs=2)
+        for seed in range(len(prompts))
+    ]
+    for output in generate(llm, prompts, params):
+        completion = output.outputs[0]
+        assert set(completion.token_ids) <= set(allowed)
+        assert len(completion.token_ids) >= 6 and EOS not in completion.token_ids[:6]
+        assert [next(iter(entry)) for entry in completion.logprobs] == completion.token_ids
+
+
+# (field the error names, settings): nothing is left to sample.
+EMPTY_TOKEN_SETS = [
+    ("allowed_token_ids", dict(allowed_token_ids=[EOS, 9], stop_token_ids=[9], min_tokens=1)),
+    ("allowed_token_ids", dict(allowed_token_ids=[7, 9], stop_token_ids=[9], bad_word_ids=[[7]], min_tokens=2)),
+    ("allowed_token_ids", dict(allowed_token_ids=[3, 3], bad_word_ids=[[3], [5, 6]])),
+    ("bad_words", dict(bad_word_ids=[[t] for t in range(256)])),
+    ("stop_token_ids", dict(stop_token_ids=list(range(256)), min_tokens=1)),
+]
+
+
+def test_settings_that_leave_no_token_are_refused(tiny_model) -> None:
+    path, _ = tiny_model
+    llm = llm_with_eos(path)
+    for field, settings in EMPTY_TOKEN_SETS:
+        words = settings.get("bad_word_ids", [])
+        params = with_bad_word_ids(SamplingParams(**{k: v for k, v in settings.items() if k != "bad_word_ids"}), words)
+        with pytest.raises(InvalidRequestError) as info:
+            llm.llm_engine.add_request([1, 2, 3], params)
+        assert info.value.param == field and "none is left" in str(info.value), settings
+    llm.llm_engine.check_idle()
+
+
+def test_settings_that_leave_a_token_are_accepted(tiny_model) -> None:
+    path, _ = tiny_model
+    llm = llm_with_eos(path)
+    accepted = [
+        SamplingParams(allowed_token_ids=[EOS, 9], stop_token_ids=[9]),  # no min_tokens: a stop may come first
+        SamplingParams(allowed_token_ids=[EOS], min_tokens=2, ignore_eos=True),  # then eos is no stop token
+        with_bad_word_ids(SamplingParams(allowed_token_ids=[7, 9], min_tokens=2), [[7], [9, 9]]),
+    ]
+    for p in accepted:
+        p.max_tokens = 4
+    first, only_eos, words = generate(llm, [[1, 2, 3]] * len(accepted), accepted)
+    assert first.outputs[0].token_ids[-1] in (EOS, 9) and first.outputs[0].finish_reason == "stop"
+    assert only_eos.outputs[0].token_ids == [EOS] * 4
+    assert words.outputs[0].token_ids == [9] * 4, "the word (9, 9) gives way: 9 is the only token left"
+
+
+def test_min_tokens_past_the_context_is_refused_where_max_tokens_is(tiny_model) -> None:
+    path, _ = tiny_model
+    llm = LLM(model=path, **ENGINE)
+    engine = llm.llm_engine
+    prompt = make_prompts(13, [100])[0]
+    message, _ = engine.process(prompt, SamplingParams(max_tokens=None, min_tokens=29))
+    with pytest.raises(InvalidRequestError) as info:
+        engine.processor.check_fits_context(message)
+    assert info.value.param == "min_tokens" and "at most 28" in str(info.value)
+    message, _ = engine.process(prompt, SamplingParams(max_tokens=None, min_tokens=28))
+    engine.processor.check_fits_context(message)
+    engine.check_idle()
