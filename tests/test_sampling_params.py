@@ -33,6 +33,8 @@ INVALID = [
     ("logprobs", dict(logprobs=-1), "[0, 20]"),
     ("prompt_logprobs", dict(prompt_logprobs=21), "[0, 20]"),
     ("min_tokens", dict(min_tokens=5, max_tokens=4), "<= max_tokens"),
+    ("min_tokens", dict(min_tokens=-1), ">= 0"),
+    ("min_tokens", dict(min_tokens=2.0), "integer"),
     ("stop_token_ids", dict(stop_token_ids=[-3]), "non-negative"),
 ]
 
@@ -62,3 +64,8 @@ def test_valid_extremes_are_accepted_and_json_keys_become_token_ids() -> None:
     clone = params.clone()
     clone.bad_words_token_ids.append([1])
     assert params.bad_words_token_ids == []
+
+
+def test_min_tokens_up_to_max_tokens_or_without_one_is_accepted() -> None:
+    assert SamplingParams(min_tokens=4, max_tokens=4).min_tokens == 4
+    assert SamplingParams(min_tokens=10**6, max_tokens=None).min_tokens == 10**6
