@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -19,15 +21,30 @@ from pagoda.sampling_params import SamplingParams
 
 
 class LLM:
-    """Generate text offline. `LLM()` with no model serves SmolLM2-135M-Instruct (GGUF)."""
+    """Generate text offline. `LLM()` with no model serves SmolLM2-135M-Instruct (GGUF).
+
+    The engine shuts down (its device memory returned, its worker processes stopped) at the
+    first of: `shutdown()`, the end of a `with LLM(...) as llm:` block, the object's
+    collection (`del llm`), and interpreter exit.
+    """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.llm_engine = LLMEngine(create_engine_config(model=model, **engine_kwargs))
+        # A finalizer rather than __del__: it runs once, and at exit before modules are torn down.
+        self._shutdown = weakref.finalize(self, self.llm_engine.shutdown)
 
     def shutdown(self) -> None:
-        """Stop the engine's workers (with tensor or pipeline parallelism, their processes) now,
-        rather than when this process exits."""
-        self.llm_engine.shutdown()
+        """Stop the engine's workers (with tensor or pipeline parallelism, their processes) and
+        return its device memory now; later calls do nothing."""
+        self._shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.shutdown()
 
     def sleep(self, level: int = 1) -> None:
         """Free the device memory between uses (needs enable_sleep_mode=True and an idle engine):

@@ -33,4 +33,5 @@ class UniProcExecutor(Executor):
         return output
 
     def shutdown(self) -> None:
-        """Nothing to stop: the worker lives in this process and goes with it."""
+        """The worker lives in this process: only its memory needs handing back."""
+        self.worker.shutdown()

@@ -8,6 +8,7 @@ next stage's rank instead, and a later stage receives them before its forward.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections import deque
@@ -166,6 +167,19 @@ class Worker:
         if isinstance(output, AsyncModelRunnerOutput):
             self._unresolved.append(output)
         return output if self.is_driver_worker else None
+
+    def shutdown(self) -> None:
+        """Let go of the model, the KV cache and the runner's buffers, and hand the device
+        memory back (also to the driver: torch's allocator would keep the freed blocks). The
+        model and the runner sit in reference cycles (a parameter's weight_loader is a bound
+        method of its module; a step's async output holds one of the runner's), which only the
+        cyclic collector frees."""
+        self.model_runner = None
+        self.memory_pool = None
+        self._unresolved.clear()
+        gc.collect()
+        if self.device_config.is_cuda:
+            torch.cuda.empty_cache()
 
     def check_idle(self) -> None:
         """Raise AssertionError unless the runner holds no request."""
