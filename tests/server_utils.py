@@ -13,7 +13,11 @@ import httpx
 from pagoda.distributed.parallel_state import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STARTUP_TIMEOUT_S = 240
+# Deadlines for events that come in seconds on a quiet machine: generous, so that a loaded one
+# (CI, a laptop running other tests) only waits longer, and only a failing test waits them out.
+STARTUP_TIMEOUT_S = 600
+HTTP_TIMEOUT_S = 120
+EXIT_TIMEOUT_S = 120
 API_KEY = "sk-test"  # the key the tests start a server with when they need one
 MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the name the default model is served under
 
@@ -76,11 +80,13 @@ class RemoteServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def get(self, path: str, **kwargs) -> httpx.Response:
-        return httpx.get(self.url + path, headers=self.headers, timeout=60, **kwargs)
+        kwargs.setdefault("timeout", HTTP_TIMEOUT_S)
+        return httpx.get(self.url + path, headers=self.headers, **kwargs)
 
     def post(self, path: str, **kwargs) -> httpx.Response:
         headers = {**self.headers, **kwargs.pop("headers", {})}
-        return httpx.post(self.url + path, headers=headers, timeout=60, **kwargs)
+        kwargs.setdefault("timeout", HTTP_TIMEOUT_S)
+        return httpx.post(self.url + path, headers=headers, **kwargs)
 
     def core_pid(self) -> int:
         """The engine core process: the server's child started by multiprocessing's spawn (the
@@ -91,7 +97,7 @@ class RemoteServer:
                     return pid
         raise AssertionError("no engine core process found")
 
-    def wait_idle(self, timeout_s: float = 30) -> dict:
+    def wait_idle(self, timeout_s: float = HTTP_TIMEOUT_S) -> dict:
         """Poll /debug/idle until the engine holds no request state; returns its last answer."""
         answer: dict = {}
 
@@ -109,11 +115,11 @@ class RemoteServer:
         children = child_pids(self.process.pid) if self.process.poll() is None else []
         self.process.send_signal(signal.SIGTERM)
         try:
-            code = self.process.wait(60)
+            code = self.process.wait(EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            code = self.process.wait(10)
-        left = [pid for pid in children if not wait_until(lambda pid=pid: not is_running(pid), 10)]
+            code = self.process.wait(EXIT_TIMEOUT_S)
+        left = [pid for pid in children if not wait_until(lambda pid=pid: not is_running(pid), EXIT_TIMEOUT_S)]
         assert not left, f"processes left behind by the server: {left}"
         return code
 

@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from pagoda.config import EngineConfig
 from pagoda.engine.core_messages import CommandKind, CoreCommand, CoreFailed, CoreReady, CoreReport, UtilityResult
-from pagoda.engine.core_proc import open_socket, run_engine_core, send
+from pagoda.engine.core_proc import ipc_addresses, open_socket, run_engine_core, send
 from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.engine.errors import EngineDeadError
 from pagoda.outputs import EngineCoreOutput, RequestStatus, SchedulerStats
@@ -43,16 +43,16 @@ DEFAULT_UTILITY_TIMEOUT_S = 600.0
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, startup_timeout_s: float = 900.0) -> None:
-        self._ipc_dir = tempfile.mkdtemp(prefix="pagoda-core-")  # mode 0700: only this user reaches the sockets
+        # Mode 0700: only this user reaches the sockets. The core removes it too when it ends.
+        self.ipc_dir = tempfile.mkdtemp(prefix="pagoda-core-")
         self._context = zmq.Context()
-        commands_address = f"ipc://{self._ipc_dir}/commands"
-        reports_address = f"ipc://{self._ipc_dir}/reports"
+        commands_address, reports_address = ipc_addresses(self.ipc_dir)
         self._commands = open_socket(self._context, zmq.PUSH, commands_address, bind=True)
         self._reports = open_socket(self._context, zmq.PULL, reports_address, bind=True)
         self._async_reports: zmq.asyncio.Socket | None = None
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(config, commands_address, reports_address, os.getpid()),
+            args=(config, self.ipc_dir, os.getpid()),
             name="pagoda-engine-core",
             daemon=True,  # also ended by multiprocessing's exit handler if shutdown() is never called
         )
@@ -180,7 +180,7 @@ class EngineCoreClient:
         self._commands.close()
         self._reports.close()
         self._context.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
     # ---- for an asyncio owner ------------------------------------------------------------
 

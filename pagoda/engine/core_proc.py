@@ -5,7 +5,9 @@ drive `EngineCore`, so none of that work ever holds the GIL the device loop need
 
 Transport: ZeroMQ PUSH/PULL over ipc files in a private (0700) directory, messages pickled.
 Both ends are this codebase, and pickle carries `EngineCoreRequest` and `SamplingParams` whole
-as they grow new fields, where a msgspec schema would have to mirror each one.
+as they grow new fields, where a msgspec schema would have to mirror each one. The core removes
+that directory on every way out it sees (shutdown, a failure, SIGTERM, its parent's death: the
+parent may be gone without a word, as after `kill -9`); the client removes it too on shutdown.
 
 Any exception in a step (the model forward) ends the process: it sends `CoreFailed` with
 the traceback and exits 1, and the client fails every request in flight. For fault-injection
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import shutil
 import signal
 import time
 import traceback
@@ -43,6 +46,11 @@ IDLE_POLL_MS = 500
 TEST_FAULT_ENV = "PAGODA_TEST_CORE_FAULT"
 # EngineCore methods a client may call through a UTILITY command.
 UTILITY_METHODS = frozenset({"sleep", "wake_up", "is_sleeping", "update_weights"})
+
+
+def ipc_addresses(ipc_dir: str) -> tuple[str, str]:
+    """The commands and reports pipes' addresses in the client's private directory."""
+    return f"ipc://{ipc_dir}/commands", f"ipc://{ipc_dir}/reports"
 
 
 def send(socket: zmq.Socket, message: Any, flags: int = 0) -> None:
@@ -193,10 +201,26 @@ def inject_test_fault(core: EngineCore, fault: str, parent_pid: int) -> None:
     core.executor.execute_model = faulty_execute_model
 
 
-def run_engine_core(config: EngineConfig, commands_address: str, reports_address: str, parent_pid: int) -> None:
-    """The core process's entry point (spawned by `EngineCoreClient`)."""
+def run_engine_core(config: EngineConfig, ipc_dir: str, parent_pid: int) -> None:
+    """The core process's entry point (spawned by `EngineCoreClient`): serve, then remove the
+    pipes' directory however serving ended, since a parent killed outright cannot."""
     # Ctrl-C in a terminal reaches the whole process group; the server decides when this ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (the client's fallback, multiprocessing's exit handler) unwinds through the cleanup.
+    signal.signal(signal.SIGTERM, exit_on_signal)
+    try:
+        serve_engine_core(config, ipc_dir, parent_pid)
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # the shell's convention for "ended by signal signum"
+
+
+def serve_engine_core(config: EngineConfig, ipc_dir: str, parent_pid: int) -> None:
+    """Build the core, report ready, run the loop; a failure is reported as CoreFailed and exits 1."""
+    commands_address, reports_address = ipc_addresses(ipc_dir)
     context = zmq.Context()
     commands = open_socket(context, zmq.PULL, commands_address, bind=False)
     # Lingers so that a last CoreFailed still reaches the client after the socket closes.

@@ -1,7 +1,7 @@
 """The engine core in its own process (`EngineCoreClient`), on a tiny random checkpoint: the
 same greedy tokens as the in-process core through `LLMEngine`, aborts and parallel samples
 ending idle, a refused request that leaves the others running, a dead core reported as such,
-and a core that never outlives the process that started it."""
+and a core that never outlives the process that started it, nor leaves its pipes' directory."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ from pagoda.errors import InvalidRequestError
 from pagoda.outputs import RequestOutput
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 60)), [42] * 20]
+# Deadline for what takes seconds on a quiet machine: only a failing test waits it out.
+DEADLINE_S = 300
 
 
 def make_config(model: str) -> EngineConfig:
@@ -45,12 +47,13 @@ def remote(tiny_llama3: str):
     yield LLMEngine(config, engine_core=client)
     client.shutdown()
     assert not client.process.is_alive()
+    assert not os.path.exists(client.ipc_dir)
 
 
 def run_to_end(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     finished: dict[str, RequestOutput] = {}
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + DEADLINE_S
     while engine.has_unfinished_requests():
         assert time.monotonic() < deadline, "the engine did not finish in time"
         for output in engine.step():
@@ -115,26 +118,29 @@ def test_a_dead_core_is_reported(remote: LLMEngine) -> None:
 
 
 def test_the_core_dies_with_its_parent(tiny_llama3: str) -> None:
-    """A parent killed outright (no shutdown, no exit handlers) leaves no core behind."""
+    """A parent killed outright (no shutdown, no exit handlers) leaves no core behind, and no
+    directory of the core's pipes."""
     script = (
-        "import sys, time\n"
+        "import signal\n"
         "from pagoda.engine.arg_utils import create_engine_config\n"
         "from pagoda.engine.core_client import EngineCoreClient\n"
         f"config = create_engine_config(model={tiny_llama3!r}, device='cpu', dtype='float32', num_gpu_blocks=16)\n"
         "client = EngineCoreClient(config)\n"
-        "print(client.process.pid, flush=True)\n"
-        "time.sleep(120)\n"
+        "client.wait_until_ready()\n"
+        "print(client.process.pid, client.ipc_dir, flush=True)\n"
+        "signal.pause()\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        core_pid = int(parent.stdout.readline())
-        assert is_running(core_pid)
+        core_pid, ipc_dir = parent.stdout.readline().split()
+        assert is_running(int(core_pid)) and os.path.isdir(ipc_dir)
         parent.kill()
-        parent.wait(10)
-        assert wait_until(lambda: not is_running(core_pid), 10), "the core outlived its parent"
+        parent.wait(DEADLINE_S)
+        assert wait_until(lambda: not is_running(int(core_pid)), DEADLINE_S), "the core outlived its parent"
+        assert not os.path.exists(ipc_dir), "the core left its pipes' directory behind"
     finally:
         parent.kill()
-        parent.wait(10)
+        parent.wait(DEADLINE_S)
 
 
 def test_sleep_wake_and_weight_updates_run_in_the_core(tiny_llama3: str, tmp_path) -> None:

