@@ -83,14 +83,17 @@ def test_del_returns_the_gpu_memory_to_a_second_engine(tiny_llama3: str) -> None
     baseline = torch.cuda.memory_allocated()
     llm = LLM(tiny_llama3, **cuda)
     refs = device_memory_refs(llm)
-    num_blocks = runner_of(llm).kv_cache_config.num_blocks
+    first = runner_of(llm).kv_cache_config
     assert torch.cuda.memory_allocated() > baseline
     del llm
     assert all(ref() is None for ref in refs)
     # torch's cuBLAS workspaces (allocated at the first matmul, kept per stream) may remain.
-    assert torch.cuda.memory_allocated() - baseline <= 256 * 2**20
+    leftover = 256 * 2**20
+    assert torch.cuda.memory_allocated() - baseline <= leftover
     second = LLM(tiny_llama3, **cuda)
     try:
-        assert runner_of(second).kv_cache_config.num_blocks == num_blocks
+        # The second pool is the first one less at most what may remain (not "0 tokens").
+        page_bytes = sum(t.size_bytes for t in first.kv_cache_tensors) // first.num_blocks
+        assert first.num_blocks - leftover // page_bytes <= runner_of(second).kv_cache_config.num_blocks
     finally:
         second.shutdown()
