@@ -16,7 +16,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Deadlines for events that come in seconds on a quiet machine: generous, so that a loaded one
 # (CI, a laptop running other tests) only waits longer, and only a failing test waits them out.
 STARTUP_TIMEOUT_S = 600
-HTTP_TIMEOUT_S = 120
+HTTP_TIMEOUT_S = 300
 EXIT_TIMEOUT_S = 120
 API_KEY = "sk-test"  # the key the tests start a server with when they need one
 MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the name the default model is served under

@@ -89,15 +89,28 @@ def smollm2_engine() -> LLMEngine:
     return LLMEngine(create_engine_config(dtype="float32", device="cpu", max_model_len=256))
 
 
+def others() -> list[tuple[str, SamplingParams]]:
+    """The requests beside the victim."""
+    return [(PROMPTS[0], greedy()), (PROMPTS[1], greedy(3))]
+
+
+@pytest.fixture(scope="module")
+def others_alone(smollm2_engine) -> list:
+    """What `others()` give without the victim: the same for every fault, so run once."""
+    return run(smollm2_engine, others())
+
+
 @needs_smollm2
 @pytest.mark.parametrize("victim_n", [1, 3])
 @pytest.mark.parametrize("fault", ["detokenizer", "stop-string"])
-def test_a_request_whose_processing_raises_fails_alone(smollm2_engine, monkeypatch, fault: str, victim_n: int):
+def test_a_request_whose_processing_raises_fails_alone(
+    smollm2_engine, others_alone, monkeypatch, fault: str, victim_n: int
+):
     engine = smollm2_engine
-    others = [(PROMPTS[0], greedy()), (PROMPTS[1], greedy(3))]
-    expected = run(engine, others)
+    expected = others_alone
     inject(monkeypatch, fault)
-    outputs = run(engine, [others[0], (PROMPTS[2], victim_params(fault, victim_n)), others[1]])
+    beside = others()
+    outputs = run(engine, [beside[0], (PROMPTS[2], victim_params(fault, victim_n)), beside[1]])
     victim = outputs[1]
     assert [c.finish_reason for c in victim.outputs] == ["error"] * victim_n
     assert any("injected" in (c.error or "") for c in victim.outputs)

@@ -62,6 +62,7 @@ SOAK_FULL = SoakSize(num_requests=1000, min_tokens=8, max_tokens=32, concurrency
 class SoakResult:
     finished: int = 0
     cancelled: int = 0
+    cancels_planned: int = 0
     samples_checked: int = 0
     errors: int = 0
     mismatches: int = 0
@@ -146,6 +147,7 @@ async def soak(llm: AsyncLLM, size: SoakSize, seed: int) -> SoakResult:
         cancel = None
         if rng.random() < CANCEL_FRACTION:
             cancel = ("after", rng.randint(1, 3)) if rng.random() < 0.5 else ("delay", rng.uniform(0.0, 2.0))
+            result.cancels_planned += 1
         task = asyncio.create_task(one(number, prompt_index, n, max_tokens, stream, cancel))
         tasks.append(task)
         if cancel is not None and cancel[0] == "delay":
@@ -185,7 +187,9 @@ def run_soak(size: SoakSize, seed: int = 0, async_scheduling: bool = False) -> S
         f"{result.mismatches} of {result.samples_checked} answers differ from the prompt alone"
     )
     assert result.preemptions > 0, "the KV pool was meant to be too small for the load"
-    assert size.num_requests * CANCEL_FRACTION / 2 <= result.cancelled <= size.num_requests * CANCEL_FRACTION * 2
+    # How many planned cancels land before their request finishes depends on the machine's
+    # speed; that every request without one finishes does not.
+    assert 0 < result.cancelled <= result.cancels_planned
     return result
 
 

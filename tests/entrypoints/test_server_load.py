@@ -31,7 +31,7 @@ ENGINE_ARGS = ("--max-model-len", "128", "--max-num-seqs", "256")
 PROMPTS = ["The capital of France is", "One, two, three,", "My favourite food is", "The sky is"]
 NUM_CLIENTS = 200
 # Bounds every client's wait: the module must end on its own however the server behaves.
-CLIENT_TIMEOUT_S = 300
+CLIENT_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
