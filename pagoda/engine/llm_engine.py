@@ -8,6 +8,7 @@ variable PAGODA_DEBUG_CHECK_IDLE=1 the engine runs `check_idle()` each time it b
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -22,6 +23,7 @@ from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.parallel_sampling import ParentRequest
 from pagoda.engine.processor import Processor, PromptType
+from pagoda.engine.token_bytes import TokenBytes
 from pagoda.errors import InvalidRequestError
 from pagoda.model.loader import get_eos_token_ids, load_tokenizer
 from pagoda.outputs import RequestOutput, RequestStatus
@@ -53,6 +55,12 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self.dead_error: EngineDeadError | None = None
         self.debug_check_idle = debug_check_idle_enabled()
+
+    @functools.cached_property
+    def token_bytes(self) -> TokenBytes | None:
+        """Every token's raw bytes (for logprobs' `bytes` and offsets), from one pass over the
+        vocabulary at first use; None without a tokenizer."""
+        return TokenBytes(self.tokenizer) if self.tokenizer is not None else None
 
     def add_request(
         self,

@@ -257,6 +257,54 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     assert streamed_tokens == [e.token for e in content]
 
 
+# Byte-level BPE splits each emoji and CJK character of it over several tokens.
+MULTIBYTE_PROMPT = "Wave 👋 and write 日本語 twice: 👋👋 日本"
+
+
+def check_offsets_index_text(tokens: list[str], offsets: list[int], text: str) -> None:
+    """Offsets go forward, stay inside the text, and a token of whole characters starts at its own."""
+    assert offsets == sorted(offsets) and all(0 <= offset <= len(text) for offset in offsets), (offsets, len(text))
+    for token, offset in zip(tokens, offsets, strict=True):
+        if "\ufffd" not in token:
+            assert text[offset:].startswith(token), (token, offset, text)
+
+
+def test_completion_text_offsets_over_multibyte_text(client: openai.OpenAI) -> None:
+    for stream in (False, True):
+        kwargs = {"model": MODEL, "prompt": MULTIBYTE_PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 1}
+        if not stream:
+            choice = client.completions.create(**kwargs, echo=True).choices[0]
+            check_offsets_index_text(choice.logprobs.tokens, choice.logprobs.text_offset, choice.text)
+            assert choice.text.startswith(MULTIBYTE_PROMPT)
+            continue
+        text, tokens, offsets = "", [], []
+        for chunk in client.completions.create(**kwargs, stream=True):
+            text += chunk.choices[0].text
+            if chunk.choices[0].logprobs is not None:
+                tokens += chunk.choices[0].logprobs.tokens
+                offsets += chunk.choices[0].logprobs.text_offset
+        check_offsets_index_text(tokens, offsets, text)
+
+
+def test_chat_logprob_bytes_are_each_tokens_own_bytes(client: openai.OpenAI) -> None:
+    """Joined, the tokens' bytes are the answer's UTF-8, characters split across tokens included."""
+    messages = [{"role": "user", "content": "Repeat exactly: " + MULTIBYTE_PROMPT}]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = response.choices[0].logprobs.content
+    split = [entry for entry in content if entry.token == "\ufffd"]
+    assert split, "the answer was meant to split a character across tokens"
+    assert all(entry.bytes != list("\ufffd".encode()) for entry in split)
+    joined = b"".join(bytes(entry.bytes) for entry in content).decode("utf-8", errors="replace")
+    # A character the length limit cut is held back from the text, not from the bytes.
+    assert joined.rstrip("\ufffd") == response.choices[0].message.content.rstrip("\ufffd")
+    for entry in content:
+        for candidate in entry.top_logprobs:
+            if "\ufffd" not in candidate.token:
+                assert bytes(candidate.bytes).decode() == candidate.token
+
+
 def test_tokenize_and_detokenize(server: RemoteServer, offline: LLM) -> None:
     tokenizer = offline.get_tokenizer()
     answer = server.post("/tokenize", json={"prompt": "Hello world"}).json()

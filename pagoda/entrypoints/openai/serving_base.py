@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.processor import PromptType
+from pagoda.engine.token_bytes import TextOffsets
 from pagoda.entrypoints.openai.errors import OpenAIError, invalid_request
 from pagoda.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from pagoda.entrypoints.openai.streaming import SSEResponse, cancel_on_disconnect, merge_outputs, sse_events
@@ -57,6 +58,8 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_name = served_model_name
         self.tokenizer = engine.tokenizer
+        # Built here, at start-up, not by the first request that asks for logprobs.
+        self.token_bytes = engine.engine.token_bytes
         self.trust_request_chat_template = trust_request_chat_template
 
     def check_request(self, body: SamplingFields) -> None:
@@ -139,6 +142,21 @@ class OpenAIServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    def raw_bytes(self, token_id: int, text: str) -> list[int]:
+        """The token's own UTF-8 bytes (part of a character when it splits one), or its text's."""
+        return list(self.token_bytes(token_id)) if self.token_bytes is not None else list(text.encode())
+
+    def text_offsets(self, start: int) -> TextOffsets:
+        """Counts where tokens start in a text decoded from its first token on, from `start`."""
+        stripped = self.token_bytes.stripped_leading_spaces if self.token_bytes is not None else 0
+        return TextOffsets(start, stripped)
+
+    def bytes_in_text(self, token_ids: list[int], skip_special_tokens: bool) -> list[bytes]:
+        """What each token adds to decoded text (its decoded text where there is no byte table)."""
+        if self.token_bytes is None:
+            return [self.token_text(token_id).encode() for token_id in token_ids]
+        return [self.token_bytes.in_text(token_id, skip_special_tokens) for token_id in token_ids]
 
 
 def make_usage(finals: dict[int, RequestOutput]) -> UsageInfo:

@@ -118,7 +118,8 @@ class OpenAIServingChat(OpenAIServing):
     def _logprobs(
         self, token_ids: list[int], entries: SampleLogprobs | None, body: ChatCompletionRequest
     ) -> ChatLogprobs:
-        """Each token's text, bytes and logprob, with the `top_logprobs` best candidates."""
+        """Each token's text, raw bytes (part of a character where the token splits one, so that
+        clients can join them) and logprob, with the `top_logprobs` best candidates."""
         if entries is None:
             raise RuntimeError("logprobs were asked for but the engine returned none")
         content = []
@@ -126,14 +127,17 @@ class OpenAIServingChat(OpenAIServing):
             sampled = candidates[token_id]
             token = self.token_text(token_id, sampled)
             top = [
-                TopLogprob(token=text, logprob=clamp_logprob(lp.logprob), bytes=list(text.encode()))
-                for text, lp in (
-                    (self.token_text(t, lp), lp) for t, lp in top_candidates(candidates, body.top_logprobs or 0)
+                TopLogprob(token=text, logprob=clamp_logprob(lp.logprob), bytes=self.raw_bytes(t, text))
+                for t, text, lp in (
+                    (t, self.token_text(t, lp), lp) for t, lp in top_candidates(candidates, body.top_logprobs or 0)
                 )
             ]
             content.append(
                 ChatTokenLogprob(
-                    token=token, logprob=clamp_logprob(sampled.logprob), bytes=list(token.encode()), top_logprobs=top
+                    token=token,
+                    logprob=clamp_logprob(sampled.logprob),
+                    bytes=self.raw_bytes(token_id, token),
+                    top_logprobs=top,
                 )
             )
         return ChatLogprobs(content=content)

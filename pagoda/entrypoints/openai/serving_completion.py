@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagoda.engine.processor import PromptType
+from pagoda.engine.token_bytes import TextOffsets
 from pagoda.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -47,12 +48,13 @@ class OpenAIServingCompletion(OpenAIServing):
         for position, output in enumerate(finals):
             for completion in output.outputs:
                 prompt_text, prompt_logprobs = self._echo(body, output) if body.echo else ("", None)
+                text = prompt_text + completion.text
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = self._logprobs(
-                        completion.token_ids, completion.logprobs, body.logprobs, offset=len(prompt_text)
+                    offsets = self.text_offsets(len(prompt_text)).advance(
+                        self.bytes_in_text(completion.token_ids, skips_special_tokens(body)), len(text)
                     )
-                text = prompt_text + completion.text
+                    logprobs = self._logprobs(completion.token_ids, completion.logprobs, body.logprobs, offsets)
                 logprobs = join_logprobs(prompt_logprobs, logprobs)
                 choices.append(
                     CompletionChoice(
@@ -83,6 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
         trackers: dict[int, ChoiceTracker] = {}
         latest: dict[int, RequestOutput] = {}
         echoes: dict[int, tuple[str, CompletionLogprobs | None]] = {}
+        counters: dict[int, TextOffsets] = {}
         async for position, output in outputs:
             latest[position] = output
             if body.echo and position not in echoes:
@@ -92,14 +95,18 @@ class OpenAIServingCompletion(OpenAIServing):
                 index = position * n + completion.index
                 echo_now = body.echo and index not in trackers
                 tracker = trackers.setdefault(index, ChoiceTracker(stops))
-                offset = tracker.num_chars_sent + len(prompt_text)
                 delta = tracker.update(completion)
                 if delta is None and not echo_now:
                     continue
                 text = delta.text if delta is not None else ""
                 logprobs = None
                 if body.logprobs is not None and delta is not None:
-                    logprobs = self._logprobs(delta.token_ids, delta.logprobs, body.logprobs, offset)
+                    counter = counters.setdefault(index, self.text_offsets(len(prompt_text)))
+                    offsets = counter.advance(
+                        self.bytes_in_text(delta.token_ids, skips_special_tokens(body)),
+                        len(prompt_text) + tracker.num_chars_sent,
+                    )
+                    logprobs = self._logprobs(delta.token_ids, delta.logprobs, body.logprobs, offsets)
                 if echo_now:
                     text = prompt_text + text
                     logprobs = join_logprobs(prompt_logprobs, logprobs)
@@ -126,23 +133,28 @@ class OpenAIServingCompletion(OpenAIServing):
             text = self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer is not None else ""
         if body.logprobs is None:
             return text, None
-        return text, self._logprobs(output.prompt_token_ids, output.prompt_logprobs, body.logprobs, offset=0)
+        token_ids = output.prompt_token_ids
+        # The prompt's text leaves special tokens (a BOS) out, as decoding with skip does.
+        offsets = self.text_offsets(0).advance(self.bytes_in_text(token_ids, True), len(text))
+        return text, self._logprobs(token_ids, output.prompt_logprobs, body.logprobs, offsets)
 
     def _logprobs(
-        self, token_ids: list[int], entries: SampleLogprobs | PromptLogprobs | None, num_top: int, offset: int
+        self,
+        token_ids: list[int],
+        entries: SampleLogprobs | PromptLogprobs | None,
+        num_top: int,
+        text_offset: list[int],
     ) -> CompletionLogprobs:
         """OpenAI's legacy logprobs: each token's text and where it starts in the choice's text
-        (from `offset`), its logprob and the `num_top` best candidates (None where there is
-        nothing, as for the first prompt token)."""
+        (`text_offset`, counted on the tokens' bytes: a token holding part of a character
+        decodes to U+FFFD, whose length is not the text's), its logprob and the `num_top` best
+        candidates (None where there is nothing, as for the first prompt token)."""
         if entries is None:
             raise RuntimeError("logprobs were asked for but the engine returned none")
-        logprobs = CompletionLogprobs()
+        logprobs = CompletionLogprobs(text_offset=text_offset)
         for token_id, candidates in zip(token_ids, entries, strict=True):
             sampled = candidates.get(token_id) if candidates is not None else None
-            token = self.token_text(token_id, sampled)
-            logprobs.tokens.append(token)
-            logprobs.text_offset.append(offset)
-            offset += len(token)
+            logprobs.tokens.append(self.token_text(token_id, sampled))
             logprobs.token_logprobs.append(clamp_logprob(sampled.logprob) if sampled is not None else None)
             if candidates is None:
                 logprobs.top_logprobs.append(None)
@@ -150,6 +162,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 top = top_candidates(candidates, num_top)
                 logprobs.top_logprobs.append({self.token_text(t, lp): clamp_logprob(lp.logprob) for t, lp in top})
         return logprobs
+
+
+def skips_special_tokens(body: CompletionRequest) -> bool:
+    """Whether the choice's text leaves special tokens out (the default)."""
+    return body.skip_special_tokens is not False
 
 
 def join_logprobs(prompt: CompletionLogprobs | None, generated: CompletionLogprobs | None) -> CompletionLogprobs | None:
