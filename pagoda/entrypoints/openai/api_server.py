@@ -39,7 +39,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.arg_utils import create_engine_config
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.core_client import EngineDeadError
-from pagoda.entrypoints.openai.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagoda.entrypoints.openai.cli_args import ServerOptions
 from pagoda.entrypoints.openai.errors import OpenAIError, engine_control_error, install_error_handlers
 from pagoda.entrypoints.openai.http_server import DrainingServer, uvicorn_config
 from pagoda.entrypoints.openai.limits import request_limits
@@ -113,15 +113,14 @@ async def exit_when_engine_dies(engine: AsyncLLM) -> None:
 def build_app(
     engine: AsyncLLM,
     served_model_name: str,
-    api_key: str | None = None,
-    enable_debug_routes: bool = False,
-    trust_request_chat_template: bool = False,
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-    enable_weight_updates: bool = False,
+    options: ServerOptions | None = None,
 ) -> FastAPI:
+    options = options if options is not None else ServerOptions()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         watchdog = asyncio.get_running_loop().create_task(exit_when_engine_dies(engine), name="pagoda-watchdog")
+        await asyncio.to_thread(lambda: engine.engine.token_bytes)  # a pass over the vocabulary, before serving
         yield
         watchdog.cancel()
         await engine.shutdown()
@@ -130,13 +129,13 @@ def build_app(
     app.state.draining = False
     install_error_handlers(app)
     # The last added runs first: drain check, then the key, then the body limit.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=options.max_request_body_bytes)
+    if options.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
     app.add_middleware(DrainingMiddleware, state=app.state)
     completions = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name, trust_request_chat_template)
-    tokenization = OpenAIServingTokenization(engine, served_model_name, trust_request_chat_template)
+    chat = OpenAIServingChat(engine, served_model_name, options.trust_request_chat_template)
+    tokenization = OpenAIServingTokenization(engine, served_model_name, options.trust_request_chat_template)
     max_model_len = engine.config.model_config.max_model_len
     limits = request_limits(engine.tokenizer, max_model_len)
     install_body_schemas(
@@ -208,7 +207,7 @@ def build_app(
     async def update_weights(raw_request: Request) -> dict[str, Any]:
         """Load the checkpoint at `path` in place (with --enable-weight-updates only)."""
         body = await parse_body(raw_request, UpdateWeightsRequest, limits)
-        if not enable_weight_updates:
+        if not options.enable_weight_updates:
             raise OpenAIError(403, "weight updates are off: start the server with --enable-weight-updates")
         try:
             await engine.update_weights(body.path)
@@ -220,7 +219,7 @@ def build_app(
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
-    if enable_debug_routes:
+    if options.enable_debug_routes:
 
         @app.get("/debug/idle")
         async def idle() -> dict[str, Any]:
@@ -240,15 +239,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     )
     engine = AsyncLLM(config)
     try:
-        app = build_app(
-            engine,
-            args.served_model_name or served_name(config),
-            args.api_key,
-            args.enable_debug_routes,
-            args.trust_request_chat_template,
-            args.max_request_body_bytes,
-            args.enable_weight_updates,
-        )
+        app = build_app(engine, args.served_model_name or served_name(config), ServerOptions.from_args(args))
         logger.warning("serving %s on http://%s:%d", config.model_config.model, args.host, args.port)
         server = DrainingServer(uvicorn_config(app, args), app)
         server.run()

@@ -4,6 +4,7 @@ the server's dependencies."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_NUM_QUEUED_REQUESTS = 4096
@@ -15,6 +16,33 @@ DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 # The largest body (--max-request-body-bytes, 32 MiB) in this time needs about 0.5 MiB/s.
 DEFAULT_BODY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What the app does beyond serving the model, as `pagoda serve`'s flags set it."""
+
+    api_key: str | None = None
+    enable_debug_routes: bool = False
+    trust_request_chat_template: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    enable_weight_updates: bool = False
+    # Refuse request fields the server does not know (400) instead of ignoring and logging them.
+    strict_request_fields: bool = False
+    # Serve the chat page at GET /.
+    enable_ui: bool = True
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerOptions:
+        return cls(
+            api_key=args.api_key,
+            enable_debug_routes=args.enable_debug_routes,
+            trust_request_chat_template=args.trust_request_chat_template,
+            max_request_body_bytes=args.max_request_body_bytes,
+            enable_weight_updates=args.enable_weight_updates,
+            strict_request_fields=args.strict_request_fields,
+            enable_ui=not args.no_ui,
+        )
 
 
 def _positive_int(text: str) -> int:
@@ -100,6 +128,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow POST /update_weights, which loads a checkpoint from any path the server can read",
     )
+    group.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="refuse request fields the server does not know with a 400 (default: ignore them, "
+        "name them in the log and count them in the x-pagoda-ignored-fields header)",
+    )
+    group.add_argument("--no-ui", action="store_true", help="do not serve the chat page at GET /")
     group.add_argument(
         "--enable-debug-routes", action="store_true", help="add GET /debug/idle (the engine's idle check, for tests)"
     )

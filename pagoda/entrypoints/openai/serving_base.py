@@ -4,6 +4,7 @@ and answering as one JSON body or as an event stream."""
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.processor import PromptType
-from pagoda.engine.token_bytes import TextOffsets
+from pagoda.engine.token_bytes import TextOffsets, TokenBytes
 from pagoda.entrypoints.openai.errors import OpenAIError, invalid_request
 from pagoda.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from pagoda.entrypoints.openai.streaming import SSEResponse, cancel_on_disconnect, merge_outputs, sse_events
@@ -58,8 +59,6 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_name = served_model_name
         self.tokenizer = engine.tokenizer
-        # Built here, at start-up, not by the first request that asks for logprobs.
-        self.token_bytes = engine.engine.token_bytes
         self.trust_request_chat_template = trust_request_chat_template
 
     def check_request(self, body: SamplingFields) -> None:
@@ -142,6 +141,11 @@ class OpenAIServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    @functools.cached_property
+    def token_bytes(self) -> TokenBytes | None:
+        """The engine's byte table (built before serving starts: see the app's lifespan)."""
+        return self.engine.engine.token_bytes
 
     def raw_bytes(self, token_id: int, text: str) -> list[int]:
         """The token's own UTF-8 bytes (part of a character when it splits one), or its text's."""
