@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: routes, API-key check, health, metrics; `run_server`
 starts the engine core process, then uvicorn, and stops the core when the server stops.
 
-Auth: with an API key set, every route but those in OPEN_PATHS (`/health`) needs
-`Authorization: Bearer KEY`, including `/docs` and `/openapi.json` and any route added later
-(the check is by path, before routing). `/metrics` is guarded too: it tells traffic volume
+Auth: with an API key set, every route but those in OPEN_PATHS needs `Authorization: Bearer KEY`,
+including any route added later (the check is by path, before routing). Open: `/health`, and
+the browser's static pages (the chat page `/`, `/docs`, `/redoc`, their assets, `/openapi.json`:
+ui_routes.py says why). `/metrics` is guarded too: it tells traffic volume
 and load to whoever reads it, and Prometheus scrape configs send bearer tokens
 (`authorization: {credentials: KEY}`).
 
@@ -59,12 +60,14 @@ from pagoda.entrypoints.openai.request_body import body_schema, install_body_sch
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagoda.entrypoints.openai.ui_routes import OPEN_PATHS as UI_OPEN_PATHS
+from pagoda.entrypoints.openai.ui_routes import add_ui_routes
 from pagoda.metrics import CONTENT_TYPE
 from pagoda.worker.worker import SLEEP_TAGS
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health"}) | UI_OPEN_PATHS
 # Seconds a server whose engine core died keeps answering (errors, /health 503) before it exits.
 ENGINE_DEAD_EXIT_DELAY_S = 2.0
 SLEEP_LEVELS = ("1", "2")
@@ -125,9 +128,10 @@ def build_app(
         watchdog.cancel()
         await engine.shutdown()
 
-    app = FastAPI(title="Pagoda", lifespan=lifespan)
+    app = FastAPI(title="Pagoda", lifespan=lifespan, docs_url=None, redoc_url=None)  # ui_routes serves them
     app.state.draining = False
     install_error_handlers(app)
+    add_ui_routes(app, options.enable_ui)
     # The last added runs first: drain check, then the key, then the body limit.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=options.max_request_body_bytes)
     if options.api_key:
