@@ -56,9 +56,12 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeResponse,
     UpdateWeightsRequest,
 )
+from pagoda.entrypoints.openai.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
 from pagoda.entrypoints.openai.request_body import body_schema, install_body_schemas, parse_body
+from pagoda.entrypoints.openai.response_store import ResponseStore
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagoda.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagoda.entrypoints.openai.ui_routes import OPEN_PATHS as UI_OPEN_PATHS
 from pagoda.entrypoints.openai.ui_routes import add_ui_routes
@@ -139,11 +142,20 @@ def build_app(
     app.add_middleware(DrainingMiddleware, state=app.state)
     completions = OpenAIServingCompletion(engine, served_model_name)
     chat = OpenAIServingChat(engine, served_model_name, options.trust_request_chat_template)
+    responses = OpenAIServingResponses(engine, served_model_name, ResponseStore(), options.strict_request_fields)
     tokenization = OpenAIServingTokenization(engine, served_model_name, options.trust_request_chat_template)
     max_model_len = engine.config.model_config.max_model_len
     limits = request_limits(engine.tokenizer, max_model_len)
     install_body_schemas(
-        app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, UpdateWeightsRequest]
+        app,
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            ResponsesRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+            UpdateWeightsRequest,
+        ],
     )
 
     @app.get("/health")
@@ -169,6 +181,19 @@ def build_app(
     async def create_chat_completion(raw_request: Request) -> Response:
         body = await parse_body(raw_request, ChatCompletionRequest, limits)
         return await chat.create(body, raw_request)
+
+    @app.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
+    async def create_response(raw_request: Request) -> Response:
+        body = await parse_body(raw_request, ResponsesRequest, limits)
+        return await responses.create(body, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> ResponseObject:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> DeletedResponse:
+        return responses.delete(response_id)
 
     @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
     async def tokenize(raw_request: Request) -> TokenizeResponse:
