@@ -3,7 +3,12 @@
 The model's template is rendered with each message's content replaced by a placeholder;
 the template's own pieces are tokenized normally (its special tokens become control
 tokens), the users' pieces with special-token matching off. So `<|im_start|>` typed by a
-user stays plain text and can never forge a role. transformers renders templates in an
+user stays plain text and can never forge a role. The other strings a message may carry
+(`name`, `tool_calls`, `tool_call_id`: templates print them as they are) must not contain a
+special token's text. Messages in OpenAI's shape (assistant `tool_calls`, role "tool") reach
+templates that may not know them: a template that leaves a tool message or a tool call out
+of its output is refused rather than answered from a conversation it dropped part of.
+transformers renders templates in an
 `ImmutableSandboxedEnvironment`: a template cannot reach Python internals (`__class__`,
 `__globals__`, ...) or mutate what it is given; any failure to render is the input's fault
 and is reported as an InvalidRequestError.
@@ -38,11 +43,13 @@ def render_chat(
     marker = f"\x00PAGODA{uuid.uuid4().hex}"
     contents: list[str] = []
     placeholder_messages = []
+    special_texts = _special_texts(tokenizer)
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or not isinstance(message.get("content"), str):
             raise InvalidRequestError(
                 f"messages[{i}]", f"messages[{i}] must be a dict with string 'role' and 'content'"
             )
+        _check_no_special_text(i, message, special_texts)
         placeholder_messages.append({**message, "content": f"{marker}{len(contents)}{marker}"})
         contents.append(message["content"])
     template_kwargs = template_kwargs or {}
@@ -60,12 +67,10 @@ def render_chat(
             **template_kwargs,
         )
     except Exception as error:  # the template and its variables are input; a failure says what broke
-        field = "chat_template" if chat_template is not None else "messages"
-        raise InvalidRequestError(
-            field, f"the chat template could not render the messages: {type(error).__name__}: {error}"
-        ) from error
+        raise _render_error(messages, chat_template, error) from error
     if not isinstance(rendered, str):
         raise InvalidRequestError("chat_template", "the chat template must render to one string")
+    _check_tool_messages_rendered(messages, rendered, marker)
     token_ids: list[int] = []
     for i, piece in enumerate(re.split(re.escape(marker) + r"(\d+)" + re.escape(marker), rendered)):
         if not piece:
@@ -75,6 +80,75 @@ def render_chat(
         else:
             token_ids += tokenizer.encode(contents[int(piece)], add_special_tokens=False, split_special_tokens=True)
     return token_ids
+
+
+def _special_texts(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The texts the tokenizer turns into special (control) tokens."""
+    return [token.content for token in tokenizer.added_tokens_decoder.values() if token.special and token.content]
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in a JSON-like value."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [text for item in value.values() for text in _strings(item)]
+    if isinstance(value, list):
+        return [text for item in value for text in _strings(item)]
+    return []
+
+
+def _check_no_special_text(index: int, message: dict[str, Any], special_texts: list[str]) -> None:
+    """What a template prints as it is must not forge control tokens (content is kept as text)."""
+    for key, value in message.items():
+        if key in ("role", "content"):
+            continue
+        for text in _strings(value):
+            special = next((token for token in special_texts if token in text), None)
+            if special is not None:
+                raise InvalidRequestError(
+                    f"messages[{index}].{key}",
+                    f"messages[{index}].{key} must not contain the special token {special!r}",
+                )
+
+
+def _is_tool_message(message: dict[str, Any]) -> bool:
+    return message["role"] == "tool" or bool(message.get("tool_calls"))
+
+
+def _render_error(messages: Conversation, chat_template: str | None, error: Exception) -> InvalidRequestError:
+    """The template's failure, naming the first tool-shaped message (what templates most
+    often cannot render) when there is one."""
+    detail = f"{type(error).__name__}: {error}"
+    index = next((i for i, message in enumerate(messages) if _is_tool_message(message)), None)
+    if index is None:
+        field = "chat_template" if chat_template is not None else "messages"
+        return InvalidRequestError(field, f"the chat template could not render the messages: {detail}")
+    return InvalidRequestError(
+        f"messages[{index}]",
+        f"the chat template could not render the messages; messages[{index}] (role {messages[index]['role']!r}) "
+        f"is the first with tool calls or results, which this template may not support: {detail}",
+    )
+
+
+def _check_tool_messages_rendered(messages: Conversation, rendered: str, marker: str) -> None:
+    """Every tool result's content and every tool call's function name is in the output: a
+    template that knows no tools would drop them silently."""
+    for i, message in enumerate(messages):
+        if message["role"] == "tool" and f"{marker}{i}{marker}" not in rendered:
+            raise _not_rendered(i, message, "tool results (role 'tool')")
+        for call in message.get("tool_calls") or ():
+            name = call.get("function", {}).get("name", "") if isinstance(call, dict) else ""
+            if name not in rendered:
+                raise _not_rendered(i, message, "assistant tool_calls")
+
+
+def _not_rendered(index: int, message: dict[str, Any], what: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"messages[{index}]",
+        f"messages[{index}] (role {message['role']!r}) cannot be expressed by this model's chat template: "
+        f"it does not render {what}",
+    )
 
 
 def _reserved_names(tokenizer: PreTrainedTokenizerBase) -> set[str]:

@@ -41,7 +41,12 @@ from pagoda.engine.arg_utils import create_engine_config
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.core_client import EngineDeadError
 from pagoda.entrypoints.openai.cli_args import ServerOptions
-from pagoda.entrypoints.openai.errors import OpenAIError, engine_control_error, install_error_handlers
+from pagoda.entrypoints.openai.errors import (
+    OpenAIError,
+    engine_control_error,
+    install_absent_routes,
+    install_error_handlers,
+)
 from pagoda.entrypoints.openai.http_server import DrainingServer, uvicorn_config
 from pagoda.entrypoints.openai.limits import request_limits
 from pagoda.entrypoints.openai.middleware import BodySizeLimitMiddleware, DrainingMiddleware
@@ -57,7 +62,13 @@ from pagoda.entrypoints.openai.protocol import (
     UpdateWeightsRequest,
 )
 from pagoda.entrypoints.openai.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
-from pagoda.entrypoints.openai.request_body import body_schema, install_body_schemas, parse_body
+from pagoda.entrypoints.openai.request_body import (
+    Body,
+    body_schema,
+    count_ignored_fields,
+    install_body_schemas,
+    parse_body,
+)
 from pagoda.entrypoints.openai.response_store import ResponseStore
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -157,6 +168,11 @@ def build_app(
             UpdateWeightsRequest,
         ],
     )
+    install_absent_routes(app)
+
+    async def read_body(raw_request: Request, model: type[Body]) -> Body:
+        """The body as `model`, unknown top-level fields ignored unless --strict-request-fields."""
+        return await parse_body(raw_request, model, limits, served_model_name, options.strict_request_fields)
 
     @app.get("/health")
     async def health() -> Response:
@@ -174,13 +190,13 @@ def build_app(
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def create_completion(raw_request: Request) -> Response:
-        body = await parse_body(raw_request, CompletionRequest, limits)
-        return await completions.create(body, raw_request)
+        body = await read_body(raw_request, CompletionRequest)
+        return count_ignored_fields(await completions.create(body, raw_request), body)
 
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def create_chat_completion(raw_request: Request) -> Response:
-        body = await parse_body(raw_request, ChatCompletionRequest, limits)
-        return await chat.create(body, raw_request)
+        body = await read_body(raw_request, ChatCompletionRequest)
+        return count_ignored_fields(await chat.create(body, raw_request), body)
 
     @app.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def create_response(raw_request: Request) -> Response:
@@ -195,13 +211,15 @@ def build_app(
     async def delete_response(response_id: str) -> DeletedResponse:
         return responses.delete(response_id)
 
-    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
-    async def tokenize(raw_request: Request) -> TokenizeResponse:
-        return await tokenization.tokenize(await parse_body(raw_request, TokenizeRequest, limits))
+    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest), response_model=TokenizeResponse)
+    async def tokenize(raw_request: Request) -> Response:
+        body = await read_body(raw_request, TokenizeRequest)
+        return count_ignored_fields(JSONResponse((await tokenization.tokenize(body)).model_dump()), body)
 
-    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest))
-    async def detokenize(raw_request: Request) -> DetokenizeResponse:
-        return await tokenization.detokenize(await parse_body(raw_request, DetokenizeRequest, limits))
+    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest), response_model=DetokenizeResponse)
+    async def detokenize(raw_request: Request) -> Response:
+        body = await read_body(raw_request, DetokenizeRequest)
+        return count_ignored_fields(JSONResponse((await tokenization.detokenize(body)).model_dump()), body)
 
     @app.post("/sleep")
     async def sleep(level: str = "1") -> dict[str, Any]:
@@ -235,7 +253,7 @@ def build_app(
     @app.post("/update_weights", openapi_extra=body_schema(UpdateWeightsRequest))
     async def update_weights(raw_request: Request) -> dict[str, Any]:
         """Load the checkpoint at `path` in place (with --enable-weight-updates only)."""
-        body = await parse_body(raw_request, UpdateWeightsRequest, limits)
+        body = await read_body(raw_request, UpdateWeightsRequest)
         if not options.enable_weight_updates:
             raise OpenAIError(403, "weight updates are off: start the server with --enable-weight-updates")
         try:

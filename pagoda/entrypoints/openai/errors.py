@@ -4,7 +4,7 @@ and the status that fits it; none of them reaches the engine or disturbs another
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,6 +39,18 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 _MAX_ECHO_CHARS = 200
 # Seconds an overloaded server asks clients to wait before retrying.
 RETRY_AFTER_S = 1
+# Routes of OpenAI's API the server knows but lacks, and the feature each needs.
+ABSENT_ROUTES = {
+    "/v1/embeddings": "embedding (pooling) models",
+    "/v1/audio/{rest:path}": "speech models",
+    "/v1/images/{rest:path}": "image generation models",
+    "/v1/moderations": "moderation models",
+    "/v1/files": "file storage",
+    "/v1/files/{rest:path}": "file storage",
+    "/v1/batches": "the batch API",
+    "/v1/batches/{rest:path}": "the batch API",
+    "/v1/fine_tuning/{rest:path}": "fine-tuning",
+}
 
 
 class OpenAIError(Exception):
@@ -146,7 +158,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return validation_error(error.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        if error.status_code == 404:
+            return not_found_error(request).response()
         return OpenAIError(error.status_code, str(error.detail)).response()
 
     async def _expected(_: Request, error: Exception) -> JSONResponse:
@@ -159,3 +173,23 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _any(_: Request, error: Exception) -> JSONResponse:
         return to_openai_error(error).response()
+
+
+def not_found_error(request: Request) -> OpenAIError:
+    return OpenAIError(
+        404, f"no route {request.method} {request.url.path} on this server (see /docs)", code="unknown_route"
+    )
+
+
+def install_absent_routes(app: FastAPI) -> None:
+    """Answer OpenAI's routes the server lacks with what they need, not a bare "Not Found"."""
+    for path, feature in ABSENT_ROUTES.items():
+        app.add_api_route(path, _absent_route(feature), methods=["GET", "POST", "DELETE"], include_in_schema=False)
+
+
+def _absent_route(feature: str) -> Callable[[Request], Awaitable[JSONResponse]]:
+    async def absent(request: Request) -> JSONResponse:
+        message = f"not supported by this server: {request.url.path} needs {feature}"
+        return OpenAIError(404, message, code="unsupported_route").response()
+
+    return absent

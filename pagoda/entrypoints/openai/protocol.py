@@ -1,16 +1,20 @@
 """The OpenAI wire format: request bodies and response bodies.
 
-Request bodies are checked strictly for shape here (wrong types and unknown fields are refused
-with the field's name); the ranges of sampling values are SamplingParams' to check, so they
-have one home. Fields past OpenAI's own (top_k, min_p, repetition_penalty, ignore_eos, ...)
+Request bodies are checked strictly for shape here (wrong types are refused with the field's
+name; unknown top-level fields are request_body.py's to ignore or refuse, nested objects refuse
+them); the ranges of sampling values are SamplingParams' to check, so they have one home.
+Fields OpenAI defines that the server cannot honour are declared here too, so that the serving
+layer can refuse them by name instead of ignoring them as unknown. Fields past OpenAI's own (top_k, min_p, repetition_penalty, ignore_eos, ...)
 follow vLLM's names, so clients written for vLLM work unchanged. Every sampling field defaults
 to None, meaning "the engine's default".
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -19,6 +23,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
@@ -36,9 +41,32 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class RequestBody(StrictModel):
+    """A whole request body: it knows which unknown top-level fields were left out of it."""
+
+    _ignored_fields: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def ignored_fields(self) -> tuple[str, ...]:
+        return self._ignored_fields
+
+
+@dataclass(frozen=True)
+class BodyContext:
+    """What validation knows of the server: its size limits and the model's name (for errors)."""
+
+    limits: RequestLimits | None = None
+    served_model_name: str | None = None
+
+
 def _limits(info: ValidationInfo) -> RequestLimits | None:
-    """The server's size limits, passed as the validation context (none in plain validation)."""
-    return info.context if isinstance(info.context, RequestLimits) else None
+    """The server's size limits, from the validation context (none in plain validation)."""
+    return info.context.limits if isinstance(info.context, BodyContext) else None
+
+
+def _served_model(info: ValidationInfo) -> str:
+    name = info.context.served_model_name if isinstance(info.context, BodyContext) else None
+    return f"`{name}`" if name else "a text-only model"
 
 
 def _check_text(value: str) -> str:
@@ -122,7 +150,7 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestBody):
     """Fields that completions and chat share, under the engine's SamplingParams names."""
 
     model: Text | None = None
@@ -149,7 +177,10 @@ class SamplingFields(StrictModel):
     cache_salt: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Who sent it, for the log (OpenAI's abuse tracking has no counterpart here).
     user: Text | None = None
+    safety_identifier: Text | None = None
+    metadata: dict[Text, Text] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -158,6 +189,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # OpenAI fields accepted only where they change nothing (see serving_completion.py).
+    best_of: int | None = None
+    suffix: Text | None = None
 
 
 class TextPart(StrictModel):
@@ -165,28 +199,88 @@ class TextPart(StrictModel):
     text: Text
 
 
-def _content_text(value: Any, handler: ValidatorFunctionWrapHandler) -> str:
+# Content parts OpenAI defines for inputs other than text, and what serving them needs.
+_MEDIA_PARTS = {
+    "image_url": "image inputs need a vision-language model",
+    "input_audio": "audio inputs need an audio model",
+    "file": "file inputs need a model that reads files",
+}
+
+
+def _text_part(i: int, part: Any, info: ValidationInfo) -> str:
+    """One content part's text; a media part is refused with what it would need."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in _MEDIA_PARTS:
+        raise ValueError(f"content[{i}] ({kind!r}): {_MEDIA_PARTS[kind]}; this server serves {_served_model(info)}")
+    if not isinstance(part, dict) or part.keys() != {"type", "text"} or kind != "text":
+        raise ValueError(f"content[{i}] must be an object {{'type': 'text', 'text': ...}}")
+    if not isinstance(part["text"], str):
+        raise ValueError(f"content[{i}].text must be a string")
+    return _check_text(part["text"])
+
+
+def _content_text(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> str | None:
     """A message's content as one text: a list of text parts is checked part by part in plain
     Python (a loop the event loop's thread can interrupt, however many parts) and joined,
     one part per line."""
     if not isinstance(value, list):
         return handler(value)
-    texts = []
-    for i, part in enumerate(value):
-        if not isinstance(part, dict) or part.keys() != {"type", "text"} or part["type"] != "text":
-            raise ValueError(f"content[{i}] must be an object {{'type': 'text', 'text': ...}}")
-        if not isinstance(part["text"], str):
-            raise ValueError(f"content[{i}].text must be a string")
-        texts.append(_check_text(part["text"]))
-    return "\n".join(texts)
+    return "\n".join(_text_part(i, part, info) for i, part in enumerate(value))
+
+
+def _check_arguments(value: str) -> str:
+    """Tool-call arguments are a JSON object written as a string, as OpenAI sends them."""
+    try:
+        arguments = json.loads(value)
+    except ValueError:
+        raise ValueError('must be a JSON object written as a string, such as \'{"city": "Paris"}\'') from None
+    if not isinstance(arguments, dict):
+        raise ValueError("must be a JSON object written as a string, not another JSON value")
+    return value
+
+
+class FunctionCall(StrictModel):
+    name: Text
+    arguments: Annotated[Text, AfterValidator(_check_arguments)]
+
+
+class ToolCall(StrictModel):
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
+def _fill_tool_call_content(value: Any) -> Any:
+    """An assistant message with tool_calls may leave its content out (OpenAI allows it)."""
+    if isinstance(value, dict) and value.get("role") == "assistant" and value.get("tool_calls"):
+        return {"content": None, **value}
+    return value
 
 
 class ChatMessage(StrictModel):
     # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
-    role: Literal["system", "developer", "user", "assistant"]
-    # Always a str once validated: text parts are joined.
-    content: Annotated[Text | list[TextPart], WrapValidator(_content_text)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # A str once validated (text parts are joined), or None on an assistant's tool-call message.
+    content: Annotated[Text | list[TextPart] | None, WrapValidator(_content_text)]
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_may_be_left_out(cls, value: Any) -> Any:
+        return _fill_tool_call_content(value)
+
+    @model_validator(mode="after")
+    def _fields_fit_the_role(self) -> ChatMessage:
+        """Which fields go with which role, as OpenAI defines them."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only on an assistant message with tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls is only for assistant messages, not {self.role!r}")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id (the call it answers); other roles take none")
+        return self
 
 
 def _check_num_messages(value: Any, info: ValidationInfo) -> Any:
@@ -203,7 +297,7 @@ def _check_num_messages(value: Any, info: ValidationInfo) -> Any:
 
 def _check_conversation_chars(messages: list[ChatMessage], info: ValidationInfo) -> list[ChatMessage]:
     limits = _limits(info)
-    num_chars = sum(len(message.content) for message in messages)
+    num_chars = sum(len(message.content or "") for message in messages)
     if limits is not None and limits.max_prompt_chars is not None and num_chars > limits.max_prompt_chars:
         raise ValueError(
             f"have {num_chars} characters of content; more than {limits.max_prompt_chars} (max_model_len "
@@ -228,6 +322,10 @@ class ChatTemplateFields(StrictModel):
     chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_check_json_texts)] | None = None
 
 
+# A JSON object a client sent for a feature the server checks for but does not implement.
+JSONObject = Annotated[dict[str, Any], AfterValidator(_check_json_texts)]
+
+
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: Messages
     max_tokens: int | None = None
@@ -235,9 +333,29 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # OpenAI fields refused unless they ask for nothing (see serving_chat.py's CHAT_FIELD_RULES).
+    tools: list[JSONObject] | None = None
+    tool_choice: Text | JSONObject | None = None
+    functions: list[JSONObject] | None = None
+    function_call: Text | JSONObject | None = None
+    response_format: JSONObject | None = None
+    modalities: list[Text] | None = None
+    audio: JSONObject | None = None
+    prediction: JSONObject | None = None
+    web_search_options: JSONObject | None = None
+    moderation: JSONObject | None = None
+    service_tier: Text | None = None
+    # OpenAI fields accepted and ignored: hints with no counterpart here (see the README).
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Text | None = None
+    verbosity: Text | None = None
+    prompt_cache_key: Text | None = None
+    prompt_cache_retention: Text | None = None
+    prompt_cache_options: JSONObject | None = None
 
 
-class TokenizeRequest(ChatTemplateFields):
+class TokenizeRequest(RequestBody, ChatTemplateFields):
     """Either a prompt (tokenized as is) or messages (rendered with the chat template)."""
 
     model: Text | None = None
@@ -253,7 +371,7 @@ class TokenizeRequest(ChatTemplateFields):
         return self
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(RequestBody):
     model: Text | None = None
     tokens: list[int]
 
@@ -383,7 +501,5 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-class UpdateWeightsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class UpdateWeightsRequest(RequestBody):
     path: Text = Field(min_length=1, description="checkpoint (directory or file) the server loads in place")

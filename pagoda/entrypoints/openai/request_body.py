@@ -8,6 +8,11 @@ few milliseconds), and the validators of the fields that can hold millions of it
 message contents) are Python loops (see protocol.py); the size limits refuse what can never
 fit before the items are validated one by one.
 
+Unknown top-level fields (what clients and frameworks send routinely: OpenAI's newest fields,
+their own tags) are left out before validation, named in one log line and counted in the
+`x-pagoda-ignored-fields` response header; with strict fields they are a 400 instead. Nested
+objects always refuse unknown fields (a typo there has no routine excuse).
+
 The routes take the raw request, so FastAPI no longer sees the body's model: `body_schema`
 puts it back into the OpenAPI document.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from typing import Any, TypeVar
 
@@ -23,33 +29,82 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
+from starlette.responses import Response
 
 from pagoda.entrypoints.openai.errors import empty_body_error, invalid_json_error, not_json_error, validation_error
 from pagoda.entrypoints.openai.limits import RequestLimits
+from pagoda.entrypoints.openai.protocol import BodyContext, RequestBody
 
-Body = TypeVar("Body", bound=BaseModel)
+logger = logging.getLogger(__name__)
+
+Body = TypeVar("Body", bound=RequestBody)
 _SCHEMA_REF = "#/components/schemas/{model}"
+IGNORED_FIELDS_HEADER = "x-pagoda-ignored-fields"
+# How much of the ignored names one log line shows: names are the client's text.
+_MAX_LOGGED_NAMES = 16
+_MAX_NAME_CHARS = 64
 
 
-async def parse_body(request: Request, model: type[Body], limits: RequestLimits) -> Body:
+async def parse_body(
+    request: Request,
+    model: type[Body],
+    limits: RequestLimits | None,
+    served_model_name: str | None = None,
+    strict_fields: bool = True,
+) -> Body:
     """The request's JSON body as `model` (400 naming the bad field otherwise)."""
     if not _is_json(request.headers.get("content-type", "")):
         raise not_json_error()
     raw = await request.body()
-    return await asyncio.to_thread(validate_body, raw, model, limits)
+    return await asyncio.to_thread(validate_body, raw, model, limits, served_model_name, strict_fields)
 
 
-def validate_body(raw: bytes, model: type[Body], limits: RequestLimits | None) -> Body:
+def validate_body(
+    raw: bytes,
+    model: type[Body],
+    limits: RequestLimits | None,
+    served_model_name: str | None = None,
+    strict_fields: bool = True,
+) -> Body:
+    """`raw` as `model`; unless `strict_fields`, unknown top-level fields are left out (and logged)."""
     if not raw.strip():
         raise empty_body_error()
     try:
         data = json.loads(raw, object_pairs_hook=_object, parse_int=_int, parse_float=_float, parse_constant=_constant)
     except ValueError as error:  # bad syntax, bad UTF-8, an integer of thousands of digits
         raise invalid_json_error(str(error)) from None
+    ignored = (
+        [] if strict_fields or not isinstance(data, dict) else [key for key in data if key not in model.model_fields]
+    )
+    if ignored:
+        data = {key: value for key, value in data.items() if key in model.model_fields}
+        logger.warning("%s: ignored fields the server does not know: %s", model.__name__, describe_names(ignored))
     try:
-        return model.model_validate(data, context=limits)
+        body = model.model_validate(data, context=BodyContext(limits, served_model_name))
     except ValidationError as error:
         raise validation_error(error.errors(include_url=False)) from None
+    if ignored:
+        body._ignored_fields = tuple(ignored)
+    return body
+
+
+def describe_names(names: list[str]) -> str:
+    """Client-chosen names, fit for one log line: printable ASCII only, each cut short, and
+    only the first few of them."""
+    shown = [_printable(name[:_MAX_NAME_CHARS]) for name in names[:_MAX_LOGGED_NAMES]]
+    rest = len(names) - len(shown)
+    return ", ".join(shown) + (f" and {rest} more" if rest else "")
+
+
+def _printable(text: str) -> str:
+    return "".join(char if " " <= char <= "~" else "?" for char in text)
+
+
+def count_ignored_fields(response: Response, body: RequestBody) -> Response:
+    """`response` with the number of fields of `body` that were ignored, if any, in a header."""
+    if body.ignored_fields:
+        response.headers[IGNORED_FIELDS_HEADER] = str(len(body.ignored_fields))
+    return response
 
 
 def _is_json(content_type: str) -> bool:

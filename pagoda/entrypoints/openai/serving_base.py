@@ -5,9 +5,11 @@ and answering as one JSON body or as an event stream."""
 from __future__ import annotations
 
 import functools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
@@ -23,6 +25,8 @@ from pagoda.entrypoints.openai.streaming import SSEResponse, cancel_on_disconnec
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # JSON has no -inf: the floor OpenAI-compatible servers send for "impossible".
 MIN_LOGPROB = -9999.0
@@ -51,6 +55,37 @@ SHARED_SAMPLING_FIELDS = (
 )
 
 
+# Fields that say who sent a request (or what for): logged with its id, used for nothing else.
+LOGGED_FIELDS = ("user", "safety_identifier", "metadata", "store")
+# Longest logged value of one of them: they are the client's text.
+_MAX_LOGGED_CHARS = 512
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """An OpenAI field the server takes only with values that ask for nothing it lacks."""
+
+    field: str
+    honoured: Callable[[Any], bool]  # given the request body
+    why: str  # the refusal's message, naming the field
+
+
+def check_field_rules(body: BaseModel, rules: tuple[FieldRule, ...]) -> None:
+    """A 400 for the first field whose value the server cannot honour (never a silently
+    different answer)."""
+    for rule in rules:
+        if not rule.honoured(body):
+            raise OpenAIError(400, rule.why, rule.field)
+
+
+def log_request_tags(response_id: str, body: BaseModel) -> None:
+    """The LOGGED_FIELDS the client set, with the response's id."""
+    tags = {name: getattr(body, name, None) for name in LOGGED_FIELDS}
+    tags = {name: value for name, value in tags.items() if value is not None}
+    if tags:
+        logger.info("%s: %s", response_id, repr(tags)[:_MAX_LOGGED_CHARS])
+
+
 class OpenAIServing:
     # SamplingParams / engine field names -> the request field a client sent, for error messages.
     param_names: ClassVar[dict[str, str]] = {}
@@ -77,9 +112,11 @@ class OpenAIServing:
             )
 
     def sampling_params(self, body: SamplingFields, max_tokens: int | None, **fields: Any) -> SamplingParams:
-        """SamplingParams from the fields the client set (None means the engine's default);
+        """SamplingParams from the fields the client set; an unset one takes the model's default
+        (its generation_config, see ModelConfig.default_sampling), else SamplingParams'.
         `max_tokens` None means until the end of the text or of the context."""
-        kwargs = {name: getattr(body, name) for name in SHARED_SAMPLING_FIELDS if getattr(body, name) is not None}
+        kwargs = dict(self.engine.config.model_config.default_sampling)
+        kwargs.update({name: getattr(body, name) for name in SHARED_SAMPLING_FIELDS if getattr(body, name) is not None})
         kwargs.update({name: value for name, value in fields.items() if value is not None})
         kwargs["max_tokens"] = max_tokens
         try:
@@ -88,11 +125,16 @@ class OpenAIServing:
             raise invalid_request(error, self.param_names) from error
 
     async def start(
-        self, prompts: list[PromptType], params: SamplingParams, id_prefix: str, cache_salt: str | None = None
+        self, prompts: list[PromptType], params: SamplingParams, id_prefix: str, body: SamplingFields | None = None
     ) -> tuple[str, list[str]]:
         """Queue one engine request per prompt (all or none); returns the response's id and the
-        requests' ids (the response's id and the prompt's position)."""
+        requests' ids (the response's id and the prompt's position). `body` gives the cache salt
+        and the client's tags to log."""
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        cache_salt = None
+        if body is not None:
+            log_request_tags(response_id, body)
+            cache_salt = body.cache_salt
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         try:
             await self.engine.add_requests_async(

@@ -1,10 +1,15 @@
 """`POST /v1/chat/completions`: the conversation rendered with the model's chat template
-(user text stays text: `render_chat`), one engine request carrying n samples."""
+(user text stays text: `render_chat`), one engine request carrying n samples.
+
+OpenAI fields for what the server lacks (tools, structured output, audio, predicted outputs,
+web search, moderation, service tiers) are refused with a 400 naming the field unless their
+value asks for nothing (`tools: []`, `tool_choice: "none"`, `modalities: ["text"]`, ...)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -20,15 +25,65 @@ from pagoda.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
     TokenizeRequest,
     TopLogprob,
 )
-from pagoda.entrypoints.openai.serving_base import OpenAIServing, clamp_logprob, created, make_usage, top_candidates
+from pagoda.entrypoints.openai.serving_base import (
+    FieldRule,
+    OpenAIServing,
+    check_field_rules,
+    clamp_logprob,
+    created,
+    make_usage,
+    top_candidates,
+)
 from pagoda.entrypoints.openai.streaming import ChoiceTracker
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import RequestOutput, SampleLogprobs
+
+TOOLS_LATER = "tools are not supported yet"
+CHAT_FIELD_RULES = (
+    FieldRule("tools", lambda body: not body.tools, f"{TOOLS_LATER}: send no tools (an empty list is accepted)"),
+    FieldRule(
+        "tool_choice",
+        lambda body: body.tool_choice in (None, "none"),
+        f"{TOOLS_LATER}: tool_choice may only be 'none'",
+    ),
+    FieldRule("functions", lambda body: not body.functions, f"{TOOLS_LATER}: send no functions (the older tools)"),
+    FieldRule(
+        "function_call",
+        lambda body: body.function_call in (None, "none"),
+        f"{TOOLS_LATER}: function_call may only be 'none'",
+    ),
+    FieldRule(
+        "response_format",
+        lambda body: body.response_format in (None, {"type": "text"}),
+        "response_format is not supported yet (structured output): only {'type': 'text'} is accepted",
+    ),
+    FieldRule(
+        "modalities",
+        lambda body: body.modalities in (None, ["text"]),
+        "modalities may only be ['text']: this server generates text only",
+    ),
+    FieldRule("audio", lambda body: body.audio is None, "audio output is not supported: this server generates text"),
+    FieldRule("prediction", lambda body: body.prediction is None, "prediction (predicted outputs) is not supported"),
+    FieldRule(
+        "web_search_options",
+        lambda body: body.web_search_options is None,
+        "web_search_options is not supported: this server does not search the web",
+    ),
+    FieldRule(
+        "moderation", lambda body: body.moderation is None, "moderation is not supported: this server moderates nothing"
+    ),
+    FieldRule(
+        "service_tier",
+        lambda body: body.service_tier in (None, "auto", "default"),
+        "service_tier may only be 'auto' or 'default': this server has one tier",
+    ),
+)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -37,12 +92,13 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_request(body)
+        check_field_rules(body, CHAT_FIELD_RULES)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         prompt = await render_messages(self.engine, body, self.trust_request_chat_template)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        response_id, request_ids = await self.start([prompt], params, "chatcmpl", body.cache_salt)
+        response_id, request_ids = await self.start([prompt], params, "chatcmpl", body)
         outputs = self.outputs(request_ids)
         stops = list(params.stop)
         return await self.respond(
@@ -160,11 +216,7 @@ async def render_messages(
                 "(start it with --trust-request-chat-template to allow it)",
                 field,
             )
-    # Contents are str once validated (text parts are joined).
-    conversation = [
-        {"role": "system" if message.role == "developer" else message.role, "content": message.content}
-        for message in body.messages
-    ]
+    conversation = [template_message(message) for message in body.messages]
     try:
         return await engine.run_processing(
             lambda: render_chat(
@@ -173,3 +225,27 @@ async def render_messages(
         )
     except InvalidRequestError as error:
         raise invalid_request(error, OpenAIServingChat.param_names) from error
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as Hugging Face chat templates take it: OpenAI's shape, with "developer" as
+    "system" (templates know only the latter), content a str ("" beside tool calls) and tool-call
+    arguments as objects (as templates print them, `| tojson`)."""
+    entry: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": message.content or "",
+    }
+    if message.name is not None:
+        entry["name"] = message.name
+    if message.tool_calls is not None:
+        entry["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    return entry

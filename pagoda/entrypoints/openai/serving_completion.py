@@ -16,19 +16,41 @@ from pagoda.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from pagoda.entrypoints.openai.serving_base import OpenAIServing, clamp_logprob, created, make_usage, top_candidates
+from pagoda.entrypoints.openai.serving_base import (
+    FieldRule,
+    OpenAIServing,
+    check_field_rules,
+    clamp_logprob,
+    created,
+    make_usage,
+    top_candidates,
+)
 from pagoda.entrypoints.openai.streaming import ChoiceTracker
 from pagoda.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
+
+COMPLETION_FIELD_RULES = (
+    FieldRule(
+        "best_of",
+        lambda body: body.best_of in (None, body.n or 1),
+        "best_of larger than n is not supported (the server does not rank samples): ask for n samples instead",
+    ),
+    FieldRule(
+        "suffix",
+        lambda body: not body.suffix,
+        "suffix is not supported: this server continues prompts, it does not insert text before a suffix",
+    ),
+)
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, body: CompletionRequest, raw_request: Request) -> Response:
         self.check_request(body)
+        check_field_rules(body, COMPLETION_FIELD_RULES)
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = body.logprobs
         params = self.sampling_params(body, body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
-        response_id, request_ids = await self.start(prompt_list(body.prompt), params, "cmpl", body.cache_salt)
+        response_id, request_ids = await self.start(prompt_list(body.prompt), params, "cmpl", body)
         outputs = self.outputs(request_ids)
         stops = list(params.stop)
         return await self.respond(
