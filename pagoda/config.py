@@ -61,7 +61,14 @@ class ModelConfig:
     # What sampled-token logprobs report: raw_logprobs, raw_logits, processed_logprobs or
     # processed_logits (after penalties, temperature and truncation); see LOGPROBS_MODES.
     logprobs_mode: str = "raw_logprobs"
+    # Where sampling defaults come from: "auto" (the model's generation_config.json, or its GGUF
+    # general.sampling.* metadata), "vllm" (none: SamplingParams' neutral defaults), or a folder
+    # holding a generation_config.json.
+    generation_config: str = "auto"
     hf_config: Any = field(default=None, repr=False)
+    # Derived from generation_config: SamplingParams fields the model recommends (e.g. temperature),
+    # applied wherever a user leaves the field unset.
+    default_sampling: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:

@@ -24,7 +24,7 @@ from pagoda.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from pagoda.model.loader import load_hf_config, resolve_model
+from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model
 
 _DTYPES = {
     "float32": torch.float32,
@@ -46,8 +46,13 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         "compilation_config": CompilationConfig,
     }
     split: dict[str, dict[str, Any]] = {name: {} for name in groups}
-    # Fields the engine derives (hf_config, the scheduler's copy of max_model_len) are not settable.
-    derived = {("model_config", "hf_config"), ("scheduler_config", "max_model_len")}
+    # Fields the engine derives (hf_config, default_sampling, the scheduler's copy of max_model_len)
+    # are not settable.
+    derived = {
+        ("model_config", "hf_config"),
+        ("model_config", "default_sampling"),
+        ("scheduler_config", "max_model_len"),
+    }
     owners = {
         f.name: name
         for name, klass in groups.items()
@@ -63,6 +68,9 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
     model_config = ModelConfig(**split["model_config"])
     model_config.model, model_config.load_format = resolve_model(model_config.model, model_config.load_format)
     model_config.hf_config = load_hf_config(model_config.model, model_config.load_format)
+    model_config.default_sampling = load_sampling_defaults(
+        model_config.model, model_config.load_format, model_config.generation_config
+    )
     model_config.dtype = _resolve_dtype(model_config.dtype, device_config)
 
     limit = model_config.derived_max_model_len

@@ -73,6 +73,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended settings (its generation_config, as the
+        `generation_config` engine argument selects) over the neutral defaults; what
+        `generate`, `chat` and `stream` use when given no sampling params."""
+        return SamplingParams(**self.llm_engine.config.model_config.default_sampling)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -83,7 +89,7 @@ class LLM:
         """Run a batch to completion; outputs come back in the order of the prompts.
         `cache_salt` isolates the batch in the prefix cache: only requests with the same salt share blocks."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
         request_ids = self._add_all(prompt_list, params_list, cache_salt)
         return self._run_engine(request_ids, use_tqdm)
 
@@ -111,7 +117,7 @@ class LLM:
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the cumulative output of one request after every step (for the CLI)."""
         engine = self.llm_engine
-        request_id = engine.add_request(prompt, sampling_params or SamplingParams())
+        request_id = engine.add_request(prompt, sampling_params or self.get_default_sampling_params())
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
@@ -157,9 +163,7 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     return prompts
 
 
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

@@ -89,10 +89,20 @@ def test_dummy_shape_name_needs_dummy_load_format():
         resolve_model("qwen3-0.6b", "auto")
 
 
-def test_unknown_model_path_names_the_field_and_path(tmp_path):
+def test_unknown_model_path_says_nothing_is_downloaded_and_names_the_path(tmp_path):
     missing = str(tmp_path / "no-such-model")
-    with pytest.raises(ConfigError, match=r"^model must be .*no-such-model.*no such file or directory"):
+    with pytest.raises(ConfigError, match=r"^pagoda does not download models: .*no-such-model.*looked for") as info:
         resolve_model(missing, "auto")
+    assert "huggingface-cli" not in str(info.value)  # a path, not a hub id
+
+
+def test_hub_id_says_how_to_download_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct", "auto")
+    message = str(info.value)
+    assert f"looked for {tmp_path}/HuggingFaceTB/SmolLM2-135M-Instruct" in message
+    assert "huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir DIR" in message
 
 
 def test_bad_load_format_lists_the_valid_ones():

@@ -4,6 +4,7 @@ Sources: Hugging Face directories (config.json + safetensors), GGUF files (llama
 dequantized), and dummy models (a published shape or an HF directory, random weights).
 """
 
+from pagoda.model.loader.generation_config import load_sampling_defaults
 from pagoda.model.loader.hf_config import load_hf_config
 from pagoda.model.loader.model_loader import get_model
 from pagoda.model.loader.source import DEFAULT_MODEL_NAME, LOAD_FORMATS, default_model_path, resolve_model
@@ -16,6 +17,7 @@ __all__ = [
     "get_eos_token_ids",
     "get_model",
     "load_hf_config",
+    "load_sampling_defaults",
     "load_tokenizer",
     "resolve_model",
 ]

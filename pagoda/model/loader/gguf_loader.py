@@ -56,6 +56,16 @@ _TOKEN_ID_KEYS = {"bos_token_id": "tokenizer.ggml.bos_token_id", "pad_token_id":
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
+# llama.cpp's recommended-sampling metadata (general.sampling.*) -> SamplingParams field.
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
 def _field_value(reader: gguf.GGUFReader, key: str) -> Any:
     """A scalar or string metadata value, None if absent."""
     field = reader.fields.get(key)
@@ -102,6 +112,13 @@ def read_gguf_config(path: str) -> PretrainedConfig:
     model_type = _MODEL_TYPE_OF_GGUF_ARCH[arch]
     fields["architectures"] = [ARCHITECTURE_OF_MODEL_TYPE[model_type]]
     return AutoConfig.for_model(model_type, **fields)
+
+
+def read_gguf_sampling_defaults(path: str) -> dict[str, Any]:
+    """The sampling settings the file recommends (llama.cpp's general.sampling.* keys), if any."""
+    reader = gguf.GGUFReader(path)
+    values = {name: _field_value(reader, key) for key, name in _SAMPLING_KEYS.items()}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def _block_part(gguf_name: str) -> tuple[str, str] | None:

@@ -56,7 +56,21 @@ def resolve_model(model: str | None, load_format: str) -> tuple[str, str]:
             return path, "dummy"
     if load_format == "auto" and model in DUMMY_SHAPES:
         raise ConfigError(f"model {model!r} is a dummy shape name: pass load_format='dummy' to use random weights")
-    problem = "" if os.path.exists(path) else " (no such file or directory)"
+    if not os.path.exists(path):
+        raise ConfigError(_not_local_message(model, path))
     raise ConfigError(
-        f"model must be {_WHAT_EACH_FORMAT_NEEDS[load_format]} for load_format={load_format!r}, got {model!r}{problem}"
+        f"model must be {_WHAT_EACH_FORMAT_NEEDS[load_format]} for load_format={load_format!r}, got {model!r}"
     )
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    """An "org/name" as users copy it from the Hugging Face Hub, rather than a path they meant."""
+    return model.count("/") == 1 and not model.startswith((".", "/", "~")) and all(model.split("/"))
+
+
+def _not_local_message(model: str, path: str) -> str:
+    """Why a missing model fails: nothing is ever downloaded, so say where we looked and how to get it."""
+    message = f"pagoda does not download models: {model!r} is not a local file or folder (looked for {path})"
+    if not _looks_like_hub_id(model):
+        return message
+    return f"{message}; download it first (e.g. huggingface-cli download {model} --local-dir DIR) and pass the path"
