@@ -24,7 +24,7 @@ from pagoda.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model
+from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
 
 _DTYPES = {
     "float32": torch.float32,
@@ -67,6 +67,8 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
     device_config = DeviceConfig(**split["device_config"])
     model_config = ModelConfig(**split["model_config"])
     model_config.model, model_config.load_format = resolve_model(model_config.model, model_config.load_format)
+    if model_config.tokenizer is not None:
+        model_config.tokenizer = resolve_tokenizer(model_config.tokenizer)
     model_config.hf_config = load_hf_config(model_config.model, model_config.load_format)
     model_config.default_sampling = load_sampling_defaults(
         model_config.model, model_config.load_format, model_config.generation_config

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from pagoda import __version__
 from pagoda.benchmarks.cli_args import add_bench_parser
 from pagoda.config import ConfigError
 from pagoda.entrypoints.openai.cli_args import add_serve_args
@@ -17,23 +18,51 @@ from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every flag's default, unless its help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "default" in help_text or any(action.default is value for value in (None, False, argparse.SUPPRESS)):
+            return help_text
+        return super()._get_help_string(action)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument(
+    model = parser.add_argument_group("model")
+    model.add_argument(
         "--model", default=None, help="HF directory, .gguf file or dummy shape (default: SmolLM2-135M-Instruct)"
     )
-    group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    group.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
-    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=None)
-    group.add_argument("--max-num-batched-tokens", type=int, default=None)
-    group.add_argument("--block-size", type=int, default=None)
-    group.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    group.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests draw from it)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="ranks splitting each layer")
-    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, help="pipeline stages")
-    group.add_argument(
+    model.add_argument("--tokenizer", default=None, help="HF directory or .gguf file (default: the model's own)")
+    model.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+        help="auto: from the path; dummy: random weights",
+    )
+    model.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    model.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: auto (the model's generation_config.json or GGUF metadata), vllm (none: "
+        "neutral defaults) or a folder with a generation_config.json (default: auto)",
+    )
+    model.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="requests in one batch (default: 256)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step (default: 8192)")
+    engine.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: 16)")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    engine.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests draw from it)")
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=None, help="ranks splitting each layer (default: 1)"
+    )
+    parallel.add_argument(
+        "--pipeline-parallel-size", "-pp", type=int, default=None, help="pipeline stages (default: 1)"
+    )
+    parallel.add_argument(
         "--distributed-executor-backend",
         choices=["uni", "mp", "ray"],
         default=None,
@@ -48,8 +77,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "seed": args.seed,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "generation_config": args.generation_config,
     }
     for name in (
+        "tokenizer",
         "max_model_len",
         "max_num_seqs",
         "max_num_batched_tokens",
@@ -63,23 +94,59 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+# What `generate` and `chat` use where neither a flag nor the model's generation config says:
+# SmolLM2's recommended temperature and top_p, and a mild repetition penalty, so that small
+# models answer sensibly instead of looping. The server keeps SamplingParams' neutral defaults.
+CLI_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
+# Flag dest -> SamplingParams field, for the flags whose unset value (None) means "the default".
+_SAMPLING_FLAGS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "stop": "stop",
+    "sampling_seed": "seed",
+}
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=256)
-    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=-1)
-    group.add_argument("--sampling-seed", type=int, default=None, help="seed of the request's random draws")
-
-
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.sampling_seed,
+    group = parser.add_argument_group("sampling", "an unset flag takes the model's generation_config value, if any")
+    group.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    group.add_argument("--temperature", type=float, default=None, help="0 is greedy " + _model_default("temperature"))
+    group.add_argument("--top-p", type=float, default=None, help="nucleus sampling " + _model_default("top_p"))
+    group.add_argument("--top-k", type=int, default=None, help="-1 is off " + _model_default("top_k"))
+    group.add_argument("--min-p", type=float, default=None, help="0 is off " + _model_default("min_p"))
+    group.add_argument(
+        "--repetition-penalty", type=float, default=None, help="1 is off " + _model_default("repetition_penalty")
     )
+    group.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2] (default: 0)")
+    group.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2] (default: 0)")
+    group.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+    group.add_argument("--sampling-seed", type=int, default=None, help="seed of the request's draws (default: --seed)")
+
+
+def _model_default(field: str) -> str:
+    fallback = CLI_SAMPLING_DEFAULTS.get(field)
+    return f"(default: the model's, else {'off' if fallback is None else format(fallback, 'g')})"
+
+
+def sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The SamplingParams fields the user's flags set."""
+    fields = {field: getattr(args, dest) for dest, field in _SAMPLING_FLAGS.items() if getattr(args, dest) is not None}
+    return {"max_tokens": args.max_tokens, **fields}
+
+
+def sampling_params(args: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """Flags over the model's defaults over CLI_SAMPLING_DEFAULTS (without `model_defaults`, before
+    the model loads: it checks the flags)."""
+    return SamplingParams(**{**CLI_SAMPLING_DEFAULTS, **(model_defaults or {}), **sampling_overrides(args)})
+
+
+def model_sampling_params(args: argparse.Namespace, llm: Any) -> SamplingParams:
+    return sampling_params(args, llm.llm_engine.config.model_config.default_sampling)
 
 
 def stream_text(outputs: Iterator[RequestOutput]) -> Iterator[str]:
@@ -95,8 +162,9 @@ def stream_text(outputs: Iterator[RequestOutput]) -> Iterator[str]:
 def run_generate(args: argparse.Namespace) -> int:
     from pagoda import LLM
 
-    params = sampling_params(args)  # bad flags fail before the model loads
+    sampling_params(args)  # bad flags fail before the model loads
     llm = LLM(model=args.model, **engine_kwargs(args))
+    params = model_sampling_params(args, llm)
     use_template = not args.no_chat_template and llm.get_tokenizer() is not None and llm.get_tokenizer().chat_template
     prompt = llm.render_chat([{"role": "user", "content": args.prompt}]) if use_template else args.prompt
     for delta in stream_text(llm.stream(prompt, params)):
@@ -109,8 +177,9 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_chat(args: argparse.Namespace) -> int:
     from pagoda import LLM
 
-    params = sampling_params(args)  # bad flags fail before the model loads
+    sampling_params(args)  # bad flags fail before the model loads
     llm = LLM(model=args.model, **engine_kwargs(args))
+    params = model_sampling_params(args, llm)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -140,30 +209,49 @@ def run_serve(args: argparse.Namespace) -> int:
     return run_server(args, engine_kwargs(args))
 
 
+def add_global_args(parser: argparse.ArgumentParser, default: Any = "INFO") -> None:
+    """Flags every command takes, before or after its name: the subcommands' copies default to
+    SUPPRESS, so they set the value only when given there."""
+    parser.add_argument("--log-level", default=default, help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+
+
+def add_global_args_to_subcommands(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                add_global_args(subparser, default=argparse.SUPPRESS)
+                add_global_args_to_subcommands(subparser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda, a fast LLM inference engine")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--version", action="version", version=f"pagoda {__version__}")
+    add_global_args(parser)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="stream the answer to one prompt")
-    generate.add_argument("prompt")
+    generate = commands.add_parser("generate", help="stream the answer to one prompt", formatter_class=HelpFormatter)
+    generate.add_argument("prompt", help="the user's message (or raw text with --no-chat-template)")
     generate.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     add_engine_args(generate)
     add_sampling_args(generate)
     generate.set_defaults(func=run_generate)
 
-    chat = commands.add_parser("chat", help="an interactive multi-turn chat")
+    chat = commands.add_parser("chat", help="an interactive multi-turn chat", formatter_class=HelpFormatter)
     chat.add_argument("--system", default=None, help="a system message")
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=run_chat)
 
-    serve = commands.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    serve = commands.add_parser("serve", help="the OpenAI-compatible HTTP server", formatter_class=HelpFormatter)
+    serve.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as --model (give one of the two)"
+    )
     add_serve_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=run_serve)
 
     add_bench_parser(commands, add_engine_args, engine_kwargs)
+    add_global_args_to_subcommands(parser)
     return parser
 
 

@@ -36,11 +36,12 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pagoda import __version__
 from pagoda.config import EngineConfig
 from pagoda.engine.arg_utils import create_engine_config
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.core_client import EngineDeadError
-from pagoda.entrypoints.openai.cli_args import ServerOptions
+from pagoda.entrypoints.openai.cli_args import ServerOptions, check_serve_args
 from pagoda.entrypoints.openai.errors import (
     OpenAIError,
     engine_control_error,
@@ -277,7 +278,19 @@ def build_app(
     return app
 
 
+def startup_banner(engine: AsyncLLM, name: str, host: str, port: int) -> str:
+    """The one line that says the server is up: where, what, and how much it holds."""
+    config = engine.config
+    kv_tokens = engine.client.num_kv_blocks * config.cache_config.block_size
+    return (
+        f"pagoda {__version__} serving {name} on http://{host}:{port} "
+        f"(context {config.model_config.max_model_len:,} tokens, KV cache {kv_tokens:,} tokens)"
+    )
+
+
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    """Check what needs no model (port, model path) first, then load it and serve."""
+    check_serve_args(args)
     config = create_engine_config(
         model=args.model,
         max_num_queued_requests=args.max_num_queued_requests,
@@ -286,8 +299,9 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     )
     engine = AsyncLLM(config)
     try:
-        app = build_app(engine, args.served_model_name or served_name(config), ServerOptions.from_args(args))
-        logger.warning("serving %s on http://%s:%d", config.model_config.model, args.host, args.port)
+        name = args.served_model_name or served_name(config)
+        app = build_app(engine, name, ServerOptions.from_args(args))
+        logger.info(startup_banner(engine, name, args.host, args.port))
         server = DrainingServer(uvicorn_config(app, args), app)
         server.run()
     finally:

@@ -4,7 +4,10 @@ the server's dependencies."""
 from __future__ import annotations
 
 import argparse
+import socket
 from dataclasses import dataclass
+
+from pagoda.config import ConfigError
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_NUM_QUEUED_REQUESTS = 4096
@@ -67,51 +70,63 @@ def _positive_float(text: str) -> float:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server")
+    """The serve flags by topic: where it listens, what one client may cost, what it offers.
+    Defaults are shown by the CLI's help formatter."""
+    _add_listen_args(parser.add_argument_group("server"))
+    _add_limit_args(parser.add_argument_group("limits"))
+    _add_feature_args(parser.add_argument_group("features"))
+
+
+def _add_listen_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--port", type=int, default=8000, help="TCP port, 1-65535")
     group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     group.add_argument("--served-model-name", default=None, help="model name for clients (default: file name)")
+    group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
+
+
+def _add_limit_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--max-num-queued-requests",
         type=_positive_int,
         default=DEFAULT_MAX_NUM_QUEUED_REQUESTS,
-        help="requests (each of n samples counts) that may wait for the batch; more get 503 at once "
-        f"(default {DEFAULT_MAX_NUM_QUEUED_REQUESTS})",
+        help="requests (each of n samples counts) that may wait for the batch; more get 503 at once",
     )
     group.add_argument(
         "--max-request-body-bytes",
         type=_positive_int,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-        help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BODY_BYTES})",
+        help="larger request bodies get 413",
     )
     group.add_argument(
         "--max-connections",
         type=_positive_int,
         default=DEFAULT_MAX_CONNECTIONS,
-        help=f"open connections beyond this are answered 503 and closed at once (default {DEFAULT_MAX_CONNECTIONS})",
+        help="open connections beyond this are answered 503 and closed at once",
     )
     group.add_argument(
         "--header-timeout",
         type=_positive_float,
         default=DEFAULT_HEADER_TIMEOUT_S,
         help="seconds a client has to send a request's header, from the connection's opening or the "
-        f"previous response's end; then the connection is closed (default {DEFAULT_HEADER_TIMEOUT_S:g})",
+        "previous response's end; then the connection is closed",
     )
     group.add_argument(
         "--body-timeout",
         type=_positive_float,
         default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds a client has to send a request's body once its header is in; then 408 and the "
-        f"connection is closed. Responses are never timed (default {DEFAULT_BODY_TIMEOUT_S:g})",
+        "connection is closed. Responses are never timed",
     )
     group.add_argument(
         "--shutdown-timeout",
         type=_non_negative_float,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-        help="seconds requests in flight may run on after SIGTERM before they are cancelled "
-        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})",
+        help="seconds requests in flight may run on after SIGTERM before they are cancelled",
     )
+
+
+def _add_feature_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--trust-request-chat-template",
         action="store_true",
@@ -138,4 +153,30 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--enable-debug-routes", action="store_true", help="add GET /debug/idle (the engine's idle check, for tests)"
     )
-    group.add_argument("--uvicorn-log-level", default="warning")
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """What can fail without the model, checked before it loads: one model given, a valid port
+    that is free on the host. ConfigError (the CLI's exit code 2) otherwise."""
+    if args.model_tag is not None and args.model is not None:
+        raise ConfigError(f"model given twice ({args.model_tag!r} and --model {args.model!r}): give one")
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"port must be in [1, 65535], got {args.port}")
+    check_port_free(args.host, args.port)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind host:port as uvicorn will (SO_REUSEADDR), then let go, so a busy port fails now
+    rather than after minutes of loading the model."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise ConfigError(f"host {host!r} does not resolve: {error.strerror}") from error
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror}") from error

@@ -7,7 +7,13 @@ dequantized), and dummy models (a published shape or an HF directory, random wei
 from pagoda.model.loader.generation_config import load_sampling_defaults
 from pagoda.model.loader.hf_config import load_hf_config
 from pagoda.model.loader.model_loader import get_model
-from pagoda.model.loader.source import DEFAULT_MODEL_NAME, LOAD_FORMATS, default_model_path, resolve_model
+from pagoda.model.loader.source import (
+    DEFAULT_MODEL_NAME,
+    LOAD_FORMATS,
+    default_model_path,
+    resolve_model,
+    resolve_tokenizer,
+)
 from pagoda.model.loader.tokenizer import get_eos_token_ids, load_tokenizer
 
 __all__ = [
@@ -20,4 +26,5 @@ __all__ = [
     "load_sampling_defaults",
     "load_tokenizer",
     "resolve_model",
+    "resolve_tokenizer",
 ]

@@ -74,3 +74,11 @@ def _not_local_message(model: str, path: str) -> str:
     if not _looks_like_hub_id(model):
         return message
     return f"{message}; download it first (e.g. huggingface-cli download {model} --local-dir DIR) and pass the path"
+
+
+def resolve_tokenizer(tokenizer: str) -> str:
+    """The absolute path of a `tokenizer` setting (a directory or a .gguf file), which must exist."""
+    path = os.path.abspath(os.path.expanduser(tokenizer))
+    if not os.path.exists(path):
+        raise ConfigError(f"tokenizer must be a directory or a .gguf file, got {tokenizer!r} (no such path: {path})")
+    return path

@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from pagoda.config import ConfigError
+from pagoda.model.loader.source import resolve_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +32,7 @@ def load_tokenizer(model: str, load_format: str, tokenizer: str | None = None) -
     chat templates come from the file's metadata. None for a model directory without tokenizer files
     or a dummy shape name (prompts must then be token ids)."""
     if tokenizer is not None:
-        path = os.path.abspath(os.path.expanduser(tokenizer))
-        if not os.path.exists(path):
-            raise ConfigError(f"tokenizer must be a directory or a .gguf file, got {tokenizer!r} (no such path)")
-        return _tokenizer_from(path)
+        return _tokenizer_from(resolve_tokenizer(tokenizer))
     if (os.path.isdir(model) and not _has_tokenizer_files(model)) or not os.path.exists(model):
         logger.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", model)
         return None
