@@ -154,7 +154,7 @@ def build_app(
     app.add_middleware(DrainingMiddleware, state=app.state)
     completions = OpenAIServingCompletion(engine, served_model_name)
     chat = OpenAIServingChat(engine, served_model_name, options.trust_request_chat_template)
-    responses = OpenAIServingResponses(engine, served_model_name, ResponseStore(), options.strict_request_fields)
+    responses = OpenAIServingResponses(engine, served_model_name, ResponseStore())
     tokenization = OpenAIServingTokenization(engine, served_model_name, options.trust_request_chat_template)
     max_model_len = engine.config.model_config.max_model_len
     limits = request_limits(engine.tokenizer, max_model_len)
@@ -201,8 +201,8 @@ def build_app(
 
     @app.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def create_response(raw_request: Request) -> Response:
-        body = await parse_body(raw_request, ResponsesRequest, limits)
-        return await responses.create(body, raw_request)
+        body = await read_body(raw_request, ResponsesRequest)
+        return count_ignored_fields(await responses.create(body, raw_request), body)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> ResponseObject:

@@ -4,9 +4,8 @@ its stream events, as the official SDK's `openai.types.responses` spells them.
 Only text conversations are served: `input` is a string (one user message) or a list of
 message items whose content is text (`input_text` / `output_text` parts); any other item or
 part (images, files, function calls, ...) is refused naming it, as are tools and JSON output
-formats until structured output exists. Fields this module implements are checked strictly;
-top-level fields it does not know are kept as the model's extras for the server to ignore
-(and name) or refuse (--strict-request-fields).
+formats until structured output exists (serving_responses.py's field rules). Unknown
+top-level fields are request_body.py's to ignore or refuse, as for the other routes.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
@@ -27,13 +25,22 @@ from pydantic import (
 )
 
 from pagoda.entrypoints.openai.protocol import (
+    JSONObject,
+    RequestBody,
     StrictModel,
     Text,
     _check_conversation_chars,
     _check_num_messages,
     _check_text,
+    _served_model,
 )
 
+# Content parts OpenAI defines for inputs other than text, and what serving them needs.
+_MEDIA_PARTS = {
+    "input_image": "image inputs need a vision-language model",
+    "input_audio": "audio inputs need an audio model",
+    "input_file": "file inputs need a model that reads files",
+}
 # Content part types that carry text, and the keys each may have (annotations and logprobs
 # come back with an earlier response's output; they say nothing the text does not).
 _TEXT_PART_KEYS = {
@@ -66,7 +73,7 @@ def _input_items(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
-def _parts_text(value: Any, handler: ValidatorFunctionWrapHandler) -> str:
+def _parts_text(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> str:
     """A message's content as one text: text parts checked one by one in plain Python (a loop
     the event loop's thread can interrupt) and joined, one part per line; other parts named."""
     if not isinstance(value, list):
@@ -74,6 +81,8 @@ def _parts_text(value: Any, handler: ValidatorFunctionWrapHandler) -> str:
     texts = []
     for i, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _MEDIA_PARTS:
+            raise ValueError(f"content[{i}] ({kind!r}): {_MEDIA_PARTS[kind]}; this server serves {_served_model(info)}")
         if kind not in _TEXT_PART_KEYS:
             raise ValueError(
                 f"content[{i}] has type {str(kind)[:40]!r}: only input_text and output_text parts are supported"
@@ -105,31 +114,12 @@ Input = Annotated[
 ]
 
 
-def _text_format(value: dict[str, Any]) -> dict[str, Any]:
-    kind = value.get("type")
-    if kind != "text" or set(value) != {"type"}:
-        raise ValueError(
-            f"type {str(kind)[:40]} is not supported yet: only {{'type': 'text'}} "
-            "(JSON output comes with structured output)"
-        )
-    return value
-
-
 class TextConfig(StrictModel):
-    format: Annotated[dict[str, Any], AfterValidator(_text_format)] | None = None
+    format: JSONObject | None = None
+    verbosity: Text | None = None
 
 
-def _no_tools(value: list[Any]) -> list[Any]:
-    if value:
-        kinds = sorted({str(tool.get("type")) if isinstance(tool, dict) else "?" for tool in value})
-        raise ValueError(f"tools are not supported yet (got {', '.join(kinds)}): send no tools")
-    return value
-
-
-class ResponsesRequest(BaseModel):
-    # Unknown top-level fields are kept in model_extra: the server ignores (and names) them.
-    model_config = ConfigDict(extra="allow", strict=True)
-
+class ResponsesRequest(RequestBody):
     model: Text | None = None
     input: Input
     instructions: Text | None = None
@@ -139,9 +129,28 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool = True
     previous_response_id: Text | None = None
-    text: TextConfig | None = None
-    tools: Annotated[list[Any], AfterValidator(_no_tools)] | None = None
     user: Text | None = None
+    # A tenant's key for the prefix cache, as in chat: only requests with the same salt share blocks.
+    cache_salt: Text | None = None
+    # OpenAI fields refused unless they ask for nothing (serving_responses.py's RESPONSES_FIELD_RULES).
+    text: TextConfig | None = None
+    tools: list[JSONObject] | None = None
+    tool_choice: Text | JSONObject | None = None
+    include: list[Text] | None = None
+    top_logprobs: int | None = None
+    background: bool | None = None
+    conversation: Text | JSONObject | None = None
+    prompt: JSONObject | None = None
+    truncation: Text | None = None
+    service_tier: Text | None = None
+    # OpenAI fields accepted and ignored: hints with no counterpart here (metadata and
+    # safety_identifier are logged with the response's id).
+    metadata: dict[str, Text] | None = None
+    safety_identifier: Text | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = None
+    reasoning: JSONObject | None = None
+    prompt_cache_key: Text | None = None
 
     def turns(self) -> tuple[Turn, ...]:
         return tuple(Turn(message.role, message.content) for message in self.input)

