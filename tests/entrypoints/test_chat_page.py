@@ -229,9 +229,10 @@ def test_chat_page_streams_an_answer_and_stops_one(page, server: RemoteServer, c
     assert not [error for error in console_errors if "Content Security Policy" in error], console_errors
 
 
-def test_docs_render_offline_without_the_key(page, server: RemoteServer) -> None:
+def test_docs_render_offline_without_the_key(page, server: RemoteServer, tmp_path: Path) -> None:
     assert page.goto(server.url + "/docs").status == 200
     page.wait_for_selector(".swagger-ui .info .title:has-text('Pagoda')")
     page.wait_for_selector(".opblock-summary-path:has-text('/v1/chat/completions')")
+    save_screenshot(page, tmp_path, "swagger_ui")
     assert page.goto(server.url + "/redoc").status == 200
     assert wait_until(lambda: "/v1/chat/completions" in page.content(), PAGE_TIMEOUT_S, interval_s=0.5)
