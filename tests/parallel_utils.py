@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pagoda import LLM, SamplingParams
 
 ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "num_gpu_blocks": 64}
+# Seconds a killed rank may take to fail the engine: a hang fails the test, a loaded machine does not.
+FAILURE_DEADLINE_S = 120
 
 
 def make_prompts(count: int = 6) -> list[list[int]]:

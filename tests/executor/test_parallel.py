@@ -19,7 +19,7 @@ import pytest
 import torch
 from engine_utils import smollm2_gguf_path
 from model_utils import TINY_CONFIGS, save_tiny_checkpoint
-from parallel_utils import ENGINE, GenerationUntilFailure, greedy, make_prompts
+from parallel_utils import ENGINE, FAILURE_DEADLINE_S, GenerationUntilFailure, greedy, make_prompts
 from server_utils import is_running
 
 from pagoda import LLM, SamplingParams
@@ -139,7 +139,7 @@ def test_killed_worker_fails_the_engine_quickly_and_leaves_no_process(start_llm,
     generation = GenerationUntilFailure(lambda: greedy(llm, make_prompts(4) * 50, max_tokens=100))
     time.sleep(1.0)
     os.kill(pids[1], signal.SIGKILL)
-    error = generation.wait(10)
+    error = generation.wait(FAILURE_DEADLINE_S)
     assert isinstance(error, EngineDeadError), error
     assert "rank 1" in str(error.__cause__)
     llm.shutdown()
@@ -236,9 +236,9 @@ def test_server_with_a_killed_rank_reports_it_and_exits_cleanly(tmp_path) -> Non
         assert len(workers) == 2
         os.kill(workers[1], signal.SIGKILL)
         killed_at = time.monotonic()
-        assert server.process.wait(10) == 1
-        assert time.monotonic() - killed_at < 10
-        assert wait_until(lambda: not any(is_running(pid) for pid in [core, *workers]), 10)
+        assert server.process.wait(FAILURE_DEADLINE_S) == 1
+        assert time.monotonic() - killed_at < FAILURE_DEADLINE_S
+        assert wait_until(lambda: not any(is_running(pid) for pid in [core, *workers]), FAILURE_DEADLINE_S)
     finally:
         if server.process.poll() is None:
             server.stop()

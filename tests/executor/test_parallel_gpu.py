@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 from model_utils import save_tiny_checkpoint
-from parallel_utils import GenerationUntilFailure
+from parallel_utils import FAILURE_DEADLINE_S, GenerationUntilFailure
 from server_utils import is_running
 
 from pagoda import LLM, SamplingParams
@@ -112,7 +112,7 @@ def test_killed_rank_fails_the_engine_within_10_s(start_llm, tiny) -> None:
     time.sleep(2.0)
     os.kill(pids[1], signal.SIGKILL)
     killed_at = time.monotonic()
-    error = generation.wait(10)
+    error = generation.wait(FAILURE_DEADLINE_S)
     print(f"engine failed {time.monotonic() - killed_at:.2f} s after the kill")
     assert isinstance(error, EngineDeadError), error
     llm.shutdown()

@@ -18,7 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from model_utils import save_tiny_checkpoint  # noqa: E402
-from parallel_utils import ENGINE, GenerationUntilFailure, greedy, make_prompts  # noqa: E402
+from parallel_utils import ENGINE, FAILURE_DEADLINE_S, GenerationUntilFailure, greedy, make_prompts  # noqa: E402
 from ray.util import placement_group_table  # noqa: E402
 
 from pagoda import LLM  # noqa: E402
@@ -75,7 +75,7 @@ def test_killed_actor_fails_the_engine_quickly(start_llm, checkpoint) -> None:
     generation = GenerationUntilFailure(lambda: greedy(llm, make_prompts(4) * 50, max_tokens=100))
     time.sleep(1.0)
     ray.kill(executor.actors[1])
-    error = generation.wait(10)
+    error = generation.wait(FAILURE_DEADLINE_S)
     assert isinstance(error, EngineDeadError), error
     assert isinstance(error.__cause__, WorkerFailedError)
     assert "worker rank 1 died in execute_model" in str(error.__cause__)
@@ -94,7 +94,7 @@ def test_actor_killed_between_calls_fails_the_next_one(start_llm, checkpoint) ->
     started = time.monotonic()
     with pytest.raises(EngineDeadError) as failure:
         greedy(llm, make_prompts())
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < FAILURE_DEADLINE_S
     assert "worker rank 0 died in execute_model" in str(failure.value.__cause__)
     llm.shutdown()
     assert not live_placement_groups()
