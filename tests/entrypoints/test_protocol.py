@@ -23,7 +23,7 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeRequest,
     UpdateWeightsRequest,
 )
-from pagoda.entrypoints.openai.request_body import validate_body
+from pagoda.entrypoints.openai.request_body import describe_names, validate_body
 from pagoda.model.loader import load_tokenizer
 
 LIMITS = RequestLimits(max_model_len=16, max_prompt_chars=16 * 4)
@@ -202,3 +202,57 @@ def test_no_character_bound_for_tokenizers_that_may_shorten_text() -> None:
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE({"a": 0, "b": 1}, [], unk_token="a", fuse_unk=True))
     assert max_chars_per_token(PreTrainedTokenizerFast(tokenizer_object=bpe)) is None
     assert request_limits(None, 64).max_prompt_chars is None
+
+
+def test_unknown_top_level_fields_are_left_out_unless_strict() -> None:
+    raw = json.dumps({"prompt": "a", "store": True, "x-trace": 1}).encode()
+    body = validate_body(raw, CompletionRequest, None, strict_fields=False)
+    assert body.ignored_fields == ("store", "x-trace")
+    assert refusal(CompletionRequest, raw.decode()).param == "store"  # strict: today's 400
+
+
+def test_nested_unknown_fields_are_refused_even_when_lenient() -> None:
+    raw = json.dumps({"messages": [{"role": "user", "content": "a", "mood": 1}]}).encode()
+    with pytest.raises(OpenAIError) as caught:
+        validate_body(raw, ChatCompletionRequest, None, strict_fields=False)
+    assert caught.value.param == "messages[0].mood"
+
+
+def test_ignored_names_are_logged_printable_short_and_few() -> None:
+    names = ["ok", "bad\x1b[31m\u00e9", "n" * 100] + [f"f{i}" for i in range(20)]
+    line = describe_names(names)
+    assert line.startswith("ok, bad?[31m?, " + "n" * 64 + ", f0")
+    assert line.endswith("f12 and 7 more") and line.isascii()
+
+
+@pytest.mark.parametrize(
+    ("message", "param", "words"),
+    [
+        ({"role": "user", "content": None}, "messages[0]", "null only on an assistant"),
+        ({"role": "tool", "content": "42"}, "messages[0]", "tool_call_id"),
+        ({"role": "user", "content": "a", "tool_call_id": "c"}, "messages[0]", "tool_call_id"),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}],
+            },
+            "messages[0].tool_calls[0].function.arguments",
+            "JSON object",
+        ),
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
+            "messages[0].content",
+            "vision-language model; this server serves a text-only model",
+        ),
+    ],
+)
+def test_message_shapes_are_checked_by_role(message: dict, param: str, words: str) -> None:
+    error = refusal(ChatCompletionRequest, {"messages": [message]})
+    assert error.param == param and words in error.message
+
+
+def test_assistant_tool_calls_may_leave_content_out() -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    raw = json.dumps({"messages": [{"role": "assistant", "tool_calls": [call]}]}).encode()
+    (message,) = validate_body(raw, ChatCompletionRequest, LIMITS).messages
+    assert message.content is None and message.tool_calls[0].function.name == "f"
