@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install
 MAX_MODEL_LEN = 64
 ENGINE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64")
 SEED = 20261129
-CI_EXAMPLES = 25  # per operation and mode in the OpenAPI fuzz: 2 modes x 6 operations
+CI_EXAMPLES = 25  # per operation and mode in the OpenAPI fuzz: 2 modes x every operation
 CI_SAMPLING_EXAMPLES = 100
 FULL_EXAMPLES = 100
 FULL_SAMPLING_EXAMPLES = 800
@@ -45,7 +45,7 @@ ALIASES = {"max_completion_tokens": {"max_tokens"}, "logprobs": {"top_logprobs",
 # Fields every request has, sent or not: the prompt (chat: messages) and max_tokens, which
 # defaults to 16 in completions (OpenAI's default) and must fit the context like a sent one.
 ALWAYS_PRESENT = {"prompt", "messages", "max_tokens"}
-REQUIRED_FIELDS = {"tokens", "path"}  # /detokenize's, /update_weights'
+REQUIRED_FIELDS = {"tokens", "path", "input"}  # /detokenize's, /update_weights', /v1/responses'
 
 
 @pytest.fixture(autouse=True)
