@@ -70,6 +70,16 @@ class FieldRule:
     why: str  # the refusal's message, naming the field
 
 
+TOOLS_LATER = "tools are not supported yet"
+# Rules the chat and Responses routes share.
+NO_TOOLS = FieldRule("tools", lambda body: not body.tools, f"{TOOLS_LATER}: send no tools (an empty list is accepted)")
+ONE_SERVICE_TIER = FieldRule(
+    "service_tier",
+    lambda body: body.service_tier in (None, "auto", "default"),
+    "service_tier may only be 'auto' or 'default': this server has one tier",
+)
+
+
 def check_field_rules(body: BaseModel, rules: tuple[FieldRule, ...]) -> None:
     """A 400 for the first field whose value the server cannot honour (never a silently
     different answer)."""

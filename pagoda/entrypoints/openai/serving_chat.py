@@ -32,6 +32,9 @@ from pagoda.entrypoints.openai.protocol import (
     TopLogprob,
 )
 from pagoda.entrypoints.openai.serving_base import (
+    NO_TOOLS,
+    ONE_SERVICE_TIER,
+    TOOLS_LATER,
     FieldRule,
     OpenAIServing,
     check_field_rules,
@@ -44,9 +47,8 @@ from pagoda.entrypoints.openai.streaming import ChoiceTracker
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import RequestOutput, SampleLogprobs
 
-TOOLS_LATER = "tools are not supported yet"
 CHAT_FIELD_RULES = (
-    FieldRule("tools", lambda body: not body.tools, f"{TOOLS_LATER}: send no tools (an empty list is accepted)"),
+    NO_TOOLS,
     FieldRule(
         "tool_choice",
         lambda body: body.tool_choice in (None, "none"),
@@ -78,11 +80,7 @@ CHAT_FIELD_RULES = (
     FieldRule(
         "moderation", lambda body: body.moderation is None, "moderation is not supported: this server moderates nothing"
     ),
-    FieldRule(
-        "service_tier",
-        lambda body: body.service_tier in (None, "auto", "default"),
-        "service_tier may only be 'auto' or 'default': this server has one tier",
-    ),
+    ONE_SERVICE_TIER,
 )
 
 

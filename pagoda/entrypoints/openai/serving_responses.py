@@ -39,14 +39,21 @@ from pagoda.entrypoints.openai.protocol_responses import (
     Turn,
 )
 from pagoda.entrypoints.openai.response_store import ResponseStore, StoredResponse
-from pagoda.entrypoints.openai.serving_base import FieldRule, OpenAIServing, check_field_rules, created
+from pagoda.entrypoints.openai.serving_base import (
+    NO_TOOLS,
+    ONE_SERVICE_TIER,
+    TOOLS_LATER,
+    FieldRule,
+    OpenAIServing,
+    check_field_rules,
+    created,
+)
 from pagoda.entrypoints.openai.serving_chat import render_messages
 from pagoda.entrypoints.openai.streaming import ChoiceTracker
 from pagoda.outputs import RequestOutput
 
-TOOLS_LATER = "tools are not supported yet"
 RESPONSES_FIELD_RULES = (
-    FieldRule("tools", lambda body: not body.tools, f"{TOOLS_LATER}: send no tools (an empty list is accepted)"),
+    NO_TOOLS,
     FieldRule(
         "tool_choice",
         lambda body: body.tool_choice in (None, "none", "auto"),
@@ -76,11 +83,7 @@ RESPONSES_FIELD_RULES = (
         lambda body: body.truncation in (None, "disabled"),
         "truncation may only be 'disabled': a conversation longer than the context is refused, not cut",
     ),
-    FieldRule(
-        "service_tier",
-        lambda body: body.service_tier in (None, "auto", "default"),
-        "service_tier may only be 'auto' or 'default': this server has one tier",
-    ),
+    ONE_SERVICE_TIER,
 )
 
 
