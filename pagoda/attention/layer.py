@@ -27,14 +27,13 @@ class Attention(nn.Module):
         logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.layer_name = layer_name
         self.backend = backend
         self.sliding_window = sliding_window or None
+        # The impl checks the shapes (heads a multiple of KV heads).
         self.impl = backend.get_impl_cls()(
             num_heads, head_size, num_kv_heads, scale, self.sliding_window, logits_soft_cap or None
         )

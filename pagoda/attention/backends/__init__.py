@@ -14,6 +14,7 @@ imported only when asked for.
 
 from __future__ import annotations
 
+import abc
 import enum
 import importlib
 from dataclasses import dataclass
@@ -41,31 +42,8 @@ class AttentionLimits:
     max_model_len: int
 
 
-class AttentionImpl(Protocol):
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        num_kv_heads: int,
-        scale: float,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> None: ...
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes K/V at metadata.slot_mapping."""
-        ...
-
-
-class AttentionLayerImpl:
-    """The constants one layer's compute needs (backends subclass it and add `forward`)."""
+class AttentionLayerImpl(abc.ABC):
+    """One layer's compute and the constants it needs (backends subclass it with `forward`)."""
 
     def __init__(
         self,
@@ -85,6 +63,17 @@ class AttentionLayerImpl:
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
 
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes K/V at metadata.slot_mapping."""
+
 
 class AttentionMetadataBuilder(Protocol):
     def build(self, common: AttentionMetadata) -> AttentionMetadata:
@@ -95,7 +84,7 @@ class AttentionMetadataBuilder(Protocol):
 class AttentionBackend:
     name: ClassVar[str]
     cudagraph_support: ClassVar[CUDAGraphSupport]
-    impl_cls: ClassVar[type[AttentionImpl]]
+    impl_cls: ClassVar[type[AttentionLayerImpl]]
     builder_cls: ClassVar[type[AttentionMetadataBuilder]]
 
     @staticmethod
@@ -104,7 +93,7 @@ class AttentionBackend:
         return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
 
     @classmethod
-    def get_impl_cls(cls) -> type[AttentionImpl]:
+    def get_impl_cls(cls) -> type[AttentionLayerImpl]:
         return cls.impl_cls
 
     @classmethod
