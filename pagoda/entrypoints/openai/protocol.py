@@ -64,12 +64,12 @@ def _limits(info: ValidationInfo) -> RequestLimits | None:
     return info.context.limits if isinstance(info.context, BodyContext) else None
 
 
-def _served_model(info: ValidationInfo) -> str:
+def served_model(info: ValidationInfo) -> str:
     name = info.context.served_model_name if isinstance(info.context, BodyContext) else None
     return f"`{name}`" if name else "a text-only model"
 
 
-def _check_text(value: str) -> str:
+def check_text(value: str) -> str:
     """JSON's \\u escapes can write a lone UTF-16 surrogate, which no tokenizer or UTF-8
     answer can carry: refused here rather than failing deep in the engine."""
     if value.isascii():
@@ -85,16 +85,16 @@ def _check_text(value: str) -> str:
 
 
 # Every string a request may carry.
-Text = Annotated[str, AfterValidator(_check_text)]
+Text = Annotated[str, AfterValidator(check_text)]
 
 
 def _check_json_texts(value: Any) -> Any:
     """Every string in a JSON value (keys included) is valid Unicode text."""
     if isinstance(value, str):
-        _check_text(value)
+        check_text(value)
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_text(key)
+            check_text(key)
             _check_json_texts(item)
     elif isinstance(value, list):
         for item in value:
@@ -111,7 +111,7 @@ def _check_prompt_text(value: str, info: ValidationInfo) -> str:
             f"{limits.max_model_len} x the longest token's characters) always makes more tokens than "
             "the context holds, so the server does not tokenize it (not even to truncate it)"
         )
-    return _check_text(value)
+    return check_text(value)
 
 
 PromptText = Annotated[str, AfterValidator(_check_prompt_text)]
@@ -199,24 +199,32 @@ class TextPart(StrictModel):
     text: Text
 
 
-# Content parts OpenAI defines for inputs other than text, and what serving them needs.
-_MEDIA_PARTS = {
-    "image_url": "image inputs need a vision-language model",
-    "input_audio": "audio inputs need an audio model",
+# What serving an input other than text needs, by medium.
+MEDIA_NEEDS = {
+    "image": "image inputs need a vision-language model",
+    "audio": "audio inputs need an audio model",
     "file": "file inputs need a model that reads files",
 }
+# Chat's content parts for those inputs, and their medium.
+_MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "file": "file"}
+
+
+def refuse_media_part(i: int, kind: Any, media_parts: dict[str, str], info: ValidationInfo) -> None:
+    """Content part i of type `kind` is refused with what it would need, if it is a media part."""
+    if kind in media_parts:
+        need = MEDIA_NEEDS[media_parts[kind]]
+        raise ValueError(f"content[{i}] ({kind!r}): {need}; this server serves {served_model(info)}")
 
 
 def _text_part(i: int, part: Any, info: ValidationInfo) -> str:
     """One content part's text; a media part is refused with what it would need."""
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind in _MEDIA_PARTS:
-        raise ValueError(f"content[{i}] ({kind!r}): {_MEDIA_PARTS[kind]}; this server serves {_served_model(info)}")
+    refuse_media_part(i, kind, _MEDIA_PARTS, info)
     if not isinstance(part, dict) or part.keys() != {"type", "text"} or kind != "text":
         raise ValueError(f"content[{i}] must be an object {{'type': 'text', 'text': ...}}")
     if not isinstance(part["text"], str):
         raise ValueError(f"content[{i}].text must be a string")
-    return _check_text(part["text"])
+    return check_text(part["text"])
 
 
 def _content_text(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> str | None:
@@ -283,7 +291,7 @@ class ChatMessage(StrictModel):
         return self
 
 
-def _check_num_messages(value: Any, info: ValidationInfo) -> Any:
+def check_num_messages(value: Any, info: ValidationInfo) -> Any:
     """Before the messages are validated one by one: a conversation of more messages than the
     context has tokens can never fit, whatever they say."""
     limits = _limits(info)
@@ -295,7 +303,7 @@ def _check_num_messages(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
-def _check_conversation_chars(messages: list[ChatMessage], info: ValidationInfo) -> list[ChatMessage]:
+def check_conversation_chars(messages: list[ChatMessage], info: ValidationInfo) -> list[ChatMessage]:
     limits = _limits(info)
     num_chars = sum(len(message.content or "") for message in messages)
     if limits is not None and limits.max_prompt_chars is not None and num_chars > limits.max_prompt_chars:
@@ -308,8 +316,8 @@ def _check_conversation_chars(messages: list[ChatMessage], info: ValidationInfo)
 
 Messages = Annotated[
     list[ChatMessage],
-    BeforeValidator(_check_num_messages),
-    AfterValidator(_check_conversation_chars),
+    BeforeValidator(check_num_messages),
+    AfterValidator(check_conversation_chars),
     Field(min_length=1),
 ]
 

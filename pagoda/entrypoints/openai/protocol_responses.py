@@ -29,18 +29,14 @@ from pagoda.entrypoints.openai.protocol import (
     RequestBody,
     StrictModel,
     Text,
-    _check_conversation_chars,
-    _check_num_messages,
-    _check_text,
-    _served_model,
+    check_conversation_chars,
+    check_num_messages,
+    check_text,
+    refuse_media_part,
 )
 
-# Content parts OpenAI defines for inputs other than text, and what serving them needs.
-_MEDIA_PARTS = {
-    "input_image": "image inputs need a vision-language model",
-    "input_audio": "audio inputs need an audio model",
-    "input_file": "file inputs need a model that reads files",
-}
+# The Responses API's content parts for inputs other than text, and their medium.
+_MEDIA_PARTS = {"input_image": "image", "input_audio": "audio", "input_file": "file"}
 # Content part types that carry text, and the keys each may have (annotations and logprobs
 # come back with an earlier response's output; they say nothing the text does not).
 _TEXT_PART_KEYS = {
@@ -62,7 +58,7 @@ def _input_items(value: Any, info: ValidationInfo) -> Any:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if isinstance(value, list):
-        _check_num_messages(value, info)
+        check_num_messages(value, info)
         for i, item in enumerate(value):
             kind = item.get("type", "message") if isinstance(item, dict) else "message"
             if kind != "message":
@@ -81,8 +77,7 @@ def _parts_text(value: Any, handler: ValidatorFunctionWrapHandler, info: Validat
     texts = []
     for i, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _MEDIA_PARTS:
-            raise ValueError(f"content[{i}] ({kind!r}): {_MEDIA_PARTS[kind]}; this server serves {_served_model(info)}")
+        refuse_media_part(i, kind, _MEDIA_PARTS, info)
         if kind not in _TEXT_PART_KEYS:
             raise ValueError(
                 f"content[{i}] has type {str(kind)[:40]!r}: only input_text and output_text parts are supported"
@@ -92,7 +87,7 @@ def _parts_text(value: Any, handler: ValidatorFunctionWrapHandler, info: Validat
             raise ValueError(f"content[{i}] ({kind}) has unknown keys {extra}")
         if not isinstance(part.get("text"), str):
             raise ValueError(f"content[{i}].text must be a string")
-        texts.append(_check_text(part["text"]))
+        texts.append(check_text(part["text"]))
     return "\n".join(texts)
 
 
@@ -109,7 +104,7 @@ class InputMessage(StrictModel):
 Input = Annotated[
     list[InputMessage],
     BeforeValidator(_input_items),
-    AfterValidator(_check_conversation_chars),
+    AfterValidator(check_conversation_chars),
     Field(min_length=1),
 ]
 
