@@ -279,6 +279,22 @@ def test_smollm2_tokenizer_has_chat_template_and_im_end_eos(smollm2):
 
 
 @needs_smollm2
+def test_smollm2_tokenizer_is_the_one_autotokenizer_builds(smollm2):
+    """We build the GGUF tokenizer in the fast class directly (AutoTokenizer first re-reads the
+    whole file with gguf's slow reader to pick a class): the same tokenizer either way."""
+    from transformers import AutoTokenizer
+
+    ours = smollm2[1]
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(SMOLLM2_PATH), gguf_file=os.path.basename(SMOLLM2_PATH))
+    assert ours.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    assert ours.chat_template == reference.chat_template
+    assert ours.all_special_tokens == reference.all_special_tokens
+    for text in ("Hello wörld 🎉 123\n\n  x", "<|im_start|>user\nHi<|im_end|>", "  leading spaces", "中文 العربية"):
+        assert ours(text).input_ids == reference(text).input_ids, text
+        assert ours.decode(ours(text).input_ids) == reference.decode(reference(text).input_ids)
+
+
+@needs_smollm2
 def test_smollm2_weights_equal_transformers_dequantization(smollm2, smollm2_transformers):
     ours = hf_named_weights(smollm2[2])
     reference = smollm2_transformers[2]

@@ -1,11 +1,12 @@
-"""GGUF (llama.cpp) files: the HF config built from the metadata, and the tensors dequantized
-with the `gguf` package and renamed to HF names.
+"""GGUF (llama.cpp) files: the HF config built from the metadata (read by `gguf_file`), and
+the tensors dequantized with the `gguf` package and renamed to HF names.
 
 The only module that imports `gguf`; it is imported only when a GGUF model is loaded.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from pagoda.config import ConfigError
+from pagoda.model.loader.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf_file
 from pagoda.model.registry import ARCHITECTURE_OF_MODEL_TYPE
 
 # GGUF `general.architecture` -> HF model_type. llama.cpp also files Mistral under "llama".
@@ -66,22 +68,11 @@ _SAMPLING_KEYS = {
 }
 
 
-def _field_value(reader: gguf.GGUFReader, key: str) -> Any:
-    """A scalar or string metadata value, None if absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    value = field.parts[field.data[0]]
-    if field.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(value).decode("utf-8")
-    return value.item()
-
-
-def _architecture(reader: gguf.GGUFReader, path: str) -> str:
-    arch = _field_value(reader, "general.architecture")
+def _architecture(file: GGUFFile) -> str:
+    arch = file.value("general.architecture")
     if arch not in _MODEL_TYPE_OF_GGUF_ARCH:
         raise ConfigError(
-            f"model: GGUF architecture {arch!r} of {path} is not supported; "
+            f"model: GGUF architecture {arch!r} of {file.path} is not supported; "
             f"supported GGUF architectures: {sorted(_MODEL_TYPE_OF_GGUF_ARCH)}"
         )
     return arch
@@ -89,22 +80,22 @@ def _architecture(reader: gguf.GGUFReader, path: str) -> str:
 
 def read_gguf_config(path: str) -> PretrainedConfig:
     """The HF config of a GGUF file, from its metadata and tensor list."""
-    reader = gguf.GGUFReader(path)
-    arch = _architecture(reader, path)
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    rope_scaling = _field_value(reader, f"{arch}.rope.scaling.type")
+    file = read_gguf_file(path)
+    arch = _architecture(file)
+    tensor_names = file.tensor_names()
+    rope_scaling = file.value(f"{arch}.rope.scaling.type")
     if rope_scaling not in (None, "none") or "rope_freqs.weight" in tensor_names:
         raise ConfigError(f"model: {path} uses RoPE scaling ({rope_scaling or 'rope_freqs'}), not supported in GGUF")
     fields: dict[str, Any] = {}
     for key, hf_key in _CONFIG_KEYS.items():
-        value = _field_value(reader, f"{arch}.{key}")
+        value = file.value(f"{arch}.{key}")
         if value is not None:
             fields[hf_key] = value
     if "vocab_size" not in fields:
-        fields["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+        fields["vocab_size"] = len(file.value("tokenizer.ggml.tokens"))
     for hf_key, key in _TOKEN_ID_KEYS.items():
-        fields[hf_key] = _field_value(reader, key)
-    eos_ids = sorted({v for key in _EOS_KEYS if (v := _field_value(reader, key)) is not None})
+        fields[hf_key] = file.value(key)
+    eos_ids = sorted({v for key in _EOS_KEYS if (v := file.value(key)) is not None})
     fields["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)
     fields["tie_word_embeddings"] = "output.weight" not in tensor_names
     if arch == "llama":
@@ -116,8 +107,8 @@ def read_gguf_config(path: str) -> PretrainedConfig:
 
 def read_gguf_sampling_defaults(path: str) -> dict[str, Any]:
     """The sampling settings the file recommends (llama.cpp's general.sampling.* keys), if any."""
-    reader = gguf.GGUFReader(path)
-    values = {name: _field_value(reader, key) for key, name in _SAMPLING_KEYS.items()}
+    file = read_gguf_file(path)
+    values = {name: file.value(key) for key, name in _SAMPLING_KEYS.items()}
     return {name: value for name, value in values.items() if value is not None}
 
 
@@ -144,18 +135,30 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
+def _tensor_bytes(data: np.memmap, tensor: GGUFTensorInfo) -> np.ndarray:
+    """The tensor's bytes, one row per innermost row (the layout `gguf.quants.dequantize` takes)."""
+    ggml_type = gguf.GGMLQuantizationType(tensor.ggml_type)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+    num_bytes = math.prod(tensor.shape) * type_size // block_size
+    if tensor.offset + num_bytes > len(data):
+        raise ConfigError(f"model: {tensor.name} runs past the end of {data.filename} (a truncated GGUF file?)")
+    row_shape = gguf.quants.quant_shape_to_byte_shape(tuple(reversed(tensor.shape)), ggml_type)
+    return np.asarray(data[tensor.offset : tensor.offset + num_bytes]).reshape(row_shape)
+
+
 def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time."""
-    reader = gguf.GGUFReader(path)
+    file = read_gguf_file(path)
     heads_of_permuted: dict[str, int] = {}
-    if _architecture(reader, path) in _ARCHS_WITH_PERMUTED_QK:
+    if _architecture(file) in _ARCHS_WITH_PERMUTED_QK:
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
         heads_of_permuted = {"attn_q": hf_config.num_attention_heads, "attn_k": num_kv_heads}
-    for tensor in reader.tensors:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    data = np.memmap(file.path, mode="r")
+    for tensor in file.tensors:
+        array = gguf.quants.dequantize(_tensor_bytes(data, tensor), gguf.GGMLQuantizationType(tensor.ggml_type))
         if not array.flags.writeable:
             array = np.array(array)
-        weight = torch.from_numpy(array).reshape([int(n) for n in reversed(tensor.shape)])
+        weight = torch.from_numpy(array).reshape(list(reversed(tensor.shape)))
         block_part = _block_part(tensor.name)
         if block_part is not None and block_part[1] in heads_of_permuted:
             weight = _unpermute_rows(weight, heads_of_permuted[block_part[1]])

@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Any
 
-from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagoda.model.loader.source import resolve_tokenizer
 
@@ -22,8 +22,11 @@ def _has_tokenizer_files(model_dir: str) -> bool:
 
 def _tokenizer_from(path: str) -> PreTrainedTokenizerBase:
     if path.endswith(".gguf"):
+        # The file carries its whole tokenizer (vocabulary, merges, pre-tokenizer, special tokens,
+        # chat template), which transformers converts in the fast class; AutoTokenizer would first
+        # rebuild an HF config from the file with gguf's slow reader only to pick that class.
         model_dir, file_name = os.path.split(path)
-        return AutoTokenizer.from_pretrained(model_dir, gguf_file=file_name)
+        return PreTrainedTokenizerFast.from_pretrained(model_dir, gguf_file=file_name)
     return AutoTokenizer.from_pretrained(path)
 
 
