@@ -290,6 +290,20 @@ def test_backend_forward_matches_reference(query_lens: list[int], context_lens: 
 # ---------------------------------------------------------------- GPU sweeps
 
 
+def sweep_params() -> list:
+    """(dtype, head_size, group) of the GPU sweeps: bf16 for every head size and group, and fp16
+    for two groups, with the routine `-m gpu` runs; the other fp16 cases with the `-m slow` runs."""
+    params = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_size in (64, 128):
+            for group in (1, 2, 3, 4, 7, 8):
+                routine = dtype == torch.bfloat16 or group in (1, 7)
+                mark = gpu if routine else pytest.mark.slow
+                name = f"{str(dtype).removeprefix('torch.')}-{head_size}-{group}"
+                params.append(pytest.param(dtype, head_size, group, marks=mark, id=name))
+    return params
+
+
 GPU_DECODE_SHAPES = [(1, 1), (1, 32768), (2, 17000), (8, 4096), (32, 2048), (128, 700), (256, 300)]
 
 
@@ -300,11 +314,8 @@ def random_lengths(batch: int, max_len: int) -> list[int]:
     return lens.tolist()
 
 
-@gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize(("dtype", "head_size", "group"), sweep_params())
 def test_gpu_decode_sweep(dtype: torch.dtype, head_size: int, group: int) -> None:
     rel_tol = 1e-2 if dtype == torch.bfloat16 else 5e-3
     for batch_size, context in GPU_DECODE_SHAPES:
@@ -330,11 +341,8 @@ def test_gpu_decode_sweep(dtype: torch.dtype, head_size: int, group: int) -> Non
             check(batch, num_splits=num_splits, rel_tol=rel_tol)
 
 
-@gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize(("dtype", "head_size", "group"), sweep_params())
 def test_gpu_mixed_sweep(dtype: torch.dtype, head_size: int, group: int) -> None:
     rel_tol = 1e-2 if dtype == torch.bfloat16 else 5e-3
     query_lens = [1] * 40 + [2048, 513, 100, 7, 1]

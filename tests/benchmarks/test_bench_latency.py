@@ -159,16 +159,28 @@ def test_bench_latency_rejects_a_prefill_longer_than_the_model(tiny_qwen3, capsy
     assert "--prefill-lens must be in [1, 127] (max_model_len - 1), got [500]" in capsys.readouterr().err
 
 
-@pytest.mark.gpu
-def test_bench_latency_on_the_gpu_never_beats_its_floor(tmp_path) -> None:
-    """Qwen3-0.6B shape, bf16, CUDA graphs, beside HF static-cache generate: no figure may come
-    in under its floor (that would mean a byte or FLOP count too high, or a rate too low)."""
+@pytest.mark.parametrize(
+    "peer",
+    [
+        pytest.param([], marks=pytest.mark.gpu, id="alone"),
+        # HF static-cache generate beside it: a minute more, so with the full-size runs.
+        pytest.param(["--peer", "hf"], marks=pytest.mark.slow, id="beside-hf"),
+    ],
+)
+def test_bench_latency_on_the_gpu_never_beats_its_floor(tmp_path, peer: list[str]) -> None:
+    """Qwen3-0.6B shape, bf16, CUDA graphs: no figure may come in under its floor (that would
+    mean a byte or FLOP count too high, or a rate too low)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     result_json = tmp_path / "latency.json"
     argv = ["bench", "latency", "--model", "qwen3-0.6b", "--load-format", "dummy", "--device", "cuda"]
-    argv += ["--output-len", "32", "--prefill-lens", "1024", "8192", "--repeats", "2", "--peer", "hf"]
+    argv += ["--output-len", "32", "--prefill-lens", "1024", "8192", "--repeats", "2", *peer]
     assert main([*argv, "--result-json", str(result_json)]) == 0
     result = json.loads(result_json.read_text())
     assert result["prefill_chunks"] == {"1024": 1, "8192": 1}
     assert result["copy_bytes_per_s"] > 1e12 and result["matmul_flops_per_s"] > 1e14
+    assert {name for figure in result["figures"] for name in figure["ms"]} >= (
+        {"pagoda", "hf-static"} if peer else {"pagoda"}
+    )
     for figure in result["figures"]:
         assert all(ms >= figure["floor_ms"] for ms in figure["ms"].values()), figure
