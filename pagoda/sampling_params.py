@@ -33,6 +33,52 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (exactly one field set), compiled to a grammar by
+    the engine: `json` a JSON schema (a dict, or its JSON text), `json_object` any JSON object,
+    `regex` a regular expression the whole output matches, `choice` one of these strings,
+    `grammar` a context-free grammar in EBNF (GBNF). The output ends (finish reason "stop")
+    when the grammar can take no more tokens. Validated for shape here; the engine compiles it
+    (and refuses one that does not compile, naming the field)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            got = ", ".join(kinds) if kinds else "none"
+            raise SamplingParamsError(
+                "structured_outputs", f"structured_outputs must set exactly one of {list(STRUCTURED_KINDS)}, got {got}"
+            )
+        kind = kinds[0]
+        value = getattr(self, kind)
+        name = f"structured_outputs.{kind}"
+        if kind == "json" and not isinstance(value, (dict, str)):
+            raise SamplingParamsError(name, f"{name} must be a JSON schema (an object or its JSON text), got {value!r}")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise SamplingParamsError(name, f"{name} must be a non-empty string, got {value!r}")
+        if kind == "choice" and (
+            not isinstance(value, list) or not value or any(not isinstance(c, str) or not c for c in value)
+        ):
+            raise SamplingParamsError(name, f"{name} must be a non-empty list of non-empty strings, got {value!r}")
+
+    def kinds(self) -> list[str]:
+        """The fields that are set."""
+        return [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds()[0]
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop, with the usual (OpenAI / vLLM) meanings.
@@ -88,6 +134,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Keep only the prompt's last N tokens (None: a prompt too long for the context is an error).
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model (generation_config eos ids); not a user setting.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine's processor: bad_words as token id sequences.
@@ -149,6 +196,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]", value)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs)
 
     def _validate_token_settings(self, bad) -> None:
         """Token-id settings: types and signs here; the vocabulary bound in the engine's Processor."""
