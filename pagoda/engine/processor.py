@@ -74,6 +74,8 @@ class Processor:
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+        if params.structured_outputs is not None:
+            raise InvalidRequestError("structured_outputs", "structured_outputs is not supported yet")
         params = params.clone()
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         if params.bad_words:
