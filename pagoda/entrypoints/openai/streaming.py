@@ -18,21 +18,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagoda.entrypoints.openai.errors import to_openai_error
+from pagoda.entrypoints.openai.text_prefix import pending_stop_prefix
 from pagoda.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 
 T = TypeVar("T")
-
-
-def pending_stop_prefix(text: str, stops: list[str]) -> int:
-    """Length of the longest end of `text` that is the start of a stop string (and not all of
-    it): text that a stop string may still swallow."""
-    longest = 0
-    for stop in stops:
-        for length in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:length]):
-                longest = length
-                break
-    return longest
 
 
 @dataclass
