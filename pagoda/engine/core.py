@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
@@ -26,12 +27,16 @@ from pagoda.config import EngineConfig
 from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.engine.errors import EngineSleepingError
 from pagoda.executor.abstract import Executor
-from pagoda.outputs import AsyncModelRunnerOutput, EngineCoreOutput, ModelRunnerOutput, RequestStatus
+from pagoda.outputs import AsyncModelRunnerOutput, EngineCoreOutput, FinishReason, ModelRunnerOutput, RequestStatus
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.scheduler.request import Request
 from pagoda.scheduler.scheduler import Scheduler
+from pagoda.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+# How long an engine with nothing to run but grammars compiling waits for one before it returns.
+GRAMMAR_WAIT_S = 0.005
 
 
 class EngineCore:
@@ -50,6 +55,10 @@ class EngineCore:
         self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput | AsyncModelRunnerOutput]] = deque()
         # The executor's released memory tags, kept here so that every step need not ask.
         self.sleeping_tags: list[str] = []
+        # Built with the first structured request (xgrammar and the tokenizer load only then).
+        self.structured_output_manager: StructuredOutputManager | None = None
+        # Requests whose grammar compiles: checked each step, so a failed compile ends its request.
+        self._compiling: dict[str, Future] = {}
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request from the front end; the core builds its own scheduler `Request` from it."""
@@ -58,7 +67,15 @@ class EngineCore:
                 f"the engine is sleeping ({', '.join(self.sleeping_tags)} released): "
                 f"call wake_up before adding request {request.request_id!r}"
             )
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        core_request = Request.from_engine_core_request(request)
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:
+            if self.structured_output_manager is None:
+                self.structured_output_manager = StructuredOutputManager(self.config.model_config)
+            core_request.grammar = self.structured_output_manager.submit(structured)
+        self.scheduler.add_request(core_request)
+        if core_request.grammar is not None:
+            self._compiling[request.request_id] = core_request.grammar
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -75,6 +92,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self.sleeping_tags:
             return []
+        failed = self._settle_compiles()
         if len(self.batch_queue) < self.batch_queue_size and (
             self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
         ):
@@ -83,13 +101,33 @@ class EngineCore:
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
                 self.batch_queue.append((scheduler_output, self.executor.execute_model(scheduler_output)))
                 if len(self.batch_queue) < self.batch_queue_size:
-                    return []  # fill the queue before waiting on its oldest batch
+                    return failed  # fill the queue before waiting on its oldest batch
         if not self.batch_queue:
-            return []
+            if self._compiling and not failed:
+                wait(self._compiling.values(), timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+            return failed
         scheduler_output, model_runner_output = self.batch_queue.popleft()
         if isinstance(model_runner_output, AsyncModelRunnerOutput):
             model_runner_output = model_runner_output.get_output()
-        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        return failed + self.scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    def _settle_compiles(self) -> list[EngineCoreOutput]:
+        """Forget finished compiles; end (finish reason "error", naming the field) the requests
+        whose grammar failed to compile. An aborted request's compile is just dropped."""
+        if not self._compiling:
+            return []
+        outputs = []
+        for req_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[req_id]
+            error = future.exception()
+            if error is None or req_id not in self.scheduler.requests:
+                continue
+            logger.info("request %r: its grammar did not compile: %s", req_id, error)
+            self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(req_id, [], FinishReason.ERROR, error=str(error)))
+        return outputs
 
     # ---- sleep mode and weight updates -----------------------------------------------------
 
@@ -147,4 +185,6 @@ class EngineCore:
         self.executor.check_idle()
 
     def shutdown(self) -> None:
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -15,6 +15,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.errors import InvalidRequestError
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output.spec import GrammarSpec
 
 PromptType = str | list[int]
 
@@ -75,7 +76,7 @@ class Processor:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
         if params.structured_outputs is not None:
-            raise InvalidRequestError("structured_outputs", "structured_outputs is not supported yet")
+            self._check_structured_outputs(params)
         params = params.clone()
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         if params.bad_words:
@@ -114,6 +115,27 @@ class Processor:
                 f"min_tokens is too large: {params.min_tokens}; the prompt has {num_prompt_tokens} tokens and "
                 f"max_model_len is {self.max_model_len}, so at most {room}",
             )
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """Parse the constraint now (milliseconds, no tokenizer table), so a schema, regex or grammar
+        the engine cannot compile is refused here, naming the field; the core compiles it for real
+        off its step loop. The grammar ends the output with an eos token, so settings that would
+        hide eos cannot go with it."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured_outputs", "structured_outputs need a tokenizer; this model has none")
+        if params.ignore_eos:
+            raise InvalidRequestError(
+                "ignore_eos",
+                "ignore_eos cannot be combined with structured_outputs: the grammar ends with an eos token",
+            )
+        if params.min_tokens > 0:
+            raise InvalidRequestError(
+                "min_tokens",
+                "min_tokens cannot be combined with structured_outputs: the grammar, not a count, decides where the output ends",
+            )
+        from pagoda.structured_output.backend import check  # xgrammar loads with the first grammar
+
+        check(GrammarSpec.of(params.structured_outputs))
 
     def _check_some_token_left(self, params: SamplingParams) -> None:
         """Refuse settings under which no token may ever be sampled: single-token bad words are

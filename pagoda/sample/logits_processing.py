@@ -1,4 +1,5 @@
-"""Logits processing before temperature and truncation: logit bias, penalties, bans, allowed tokens.
+"""Logits processing before temperature and truncation: an ordered chain of processors (logit
+bias, penalties, bans, allowed tokens, grammar masks).
 
 Each pass runs over the whole step at once and only when some row of the step needs it (the
 metadata field is None otherwise). Rows that do not use a pass hold neutral values, which
@@ -7,37 +8,109 @@ leave their logits bit for bit unchanged, so a request gets the same tokens in a
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
-from pagoda.sample.metadata import PenaltyMetadata, SamplingMetadata, TokenEntries
+from pagoda.sample.metadata import PenaltyMetadata, SamplingMetadata, TokenBitmask, TokenEntries
 
 
-def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """A float32 copy of the logits with every pass the step needs applied, or the logits
-    themselves when none is needed (they are never modified: raw logprobs read them).
+class LogitsProcessor(ABC):
+    """One pass of the chain: `applies` says (from the step's metadata alone, no device work)
+    whether any row of the step uses it; `apply` changes those rows' logits in place."""
 
-    The passes that change values (logit bias, penalties) come first and the masks last, the
-    allowed set the very last: no later pass can lift a ban or bring back a token outside the
-    allowed set. The bans never cover a row's whole allowed set (the runner's SamplingBatch
-    drops those that would), so every row keeps a token it may pick.
+    @abstractmethod
+    def applies(self, metadata: SamplingMetadata) -> bool: ...
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None: ...
+
+
+class LogitBias(LogitsProcessor):
+    def applies(self, metadata: SamplingMetadata) -> bool:
+        return metadata.logit_bias is not None
+
+    def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+        bias = metadata.logit_bias
+        assert bias is not None and bias.values is not None
+        logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
+
+
+class Penalties(LogitsProcessor):
+    def applies(self, metadata: SamplingMetadata) -> bool:
+        return metadata.penalties is not None
+
+    def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+        assert metadata.penalties is not None
+        apply_penalties(logits, metadata.penalties)
+
+
+class TokenBans(LogitsProcessor):
+    """min_tokens' hidden stop tokens and matched bad words."""
+
+    def applies(self, metadata: SamplingMetadata) -> bool:
+        return metadata.banned_token_ids is not None
+
+    def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+        banned = metadata.banned_token_ids
+        assert banned is not None
+        minus_inf = torch.full(banned.rows.shape, float("-inf"), device=logits.device)
+        logits.index_put_((banned.rows, banned.token_ids), minus_inf)
+
+
+class AllowedTokens(LogitsProcessor):
+    def applies(self, metadata: SamplingMetadata) -> bool:
+        return metadata.allowed_token_ids is not None
+
+    def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+        assert metadata.allowed_rows is not None and metadata.allowed_token_ids is not None
+        apply_allowed_token_ids(logits, metadata.allowed_rows, metadata.allowed_token_ids)
+
+
+class GrammarMask(LogitsProcessor):
+    """Structured output: each constrained row keeps only the tokens its grammar allows next."""
+
+    def applies(self, metadata: SamplingMetadata) -> bool:
+        return metadata.grammar_bitmask is not None
+
+    def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+        assert metadata.grammar_bitmask is not None
+        apply_token_bitmask(logits, metadata.grammar_bitmask)
+
+
+# The order matters: values change first (bias, penalties), then the masks, the allowed set and
+# the grammar last, so no later pass can lift a ban or bring back a token either refused.
+LOGITS_PROCESSORS: tuple[LogitsProcessor, ...] = (LogitBias(), Penalties(), TokenBans(), AllowedTokens(), GrammarMask())
+
+
+def process_logits(
+    logits: torch.Tensor, metadata: SamplingMetadata, chain: tuple[LogitsProcessor, ...] = LOGITS_PROCESSORS
+) -> torch.Tensor:
+    """A float32 copy of the logits with every pass of the chain the step uses applied, or the
+    logits themselves when none is (they are never modified: raw logprobs read them).
+
+    The bans never cover a row's whole allowed set (the runner's SamplingBatch drops those that
+    would), so every row keeps a token it may pick; a grammar's mask is the request's own
+    contract (the processor refuses settings that would hide the grammar's end).
     """
-    if not metadata.processes_logits:
+    active = [processor for processor in chain if processor.applies(metadata)]
+    if not active:
         return logits
     processed = logits.to(torch.float32, copy=True)
-    if metadata.logit_bias is not None:
-        bias = metadata.logit_bias
-        assert bias.values is not None
-        processed.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
-    if metadata.penalties is not None:
-        apply_penalties(processed, metadata.penalties)
-    if metadata.banned_token_ids is not None:
-        banned = metadata.banned_token_ids
-        minus_inf = torch.full(banned.rows.shape, float("-inf"), device=processed.device)
-        processed.index_put_((banned.rows, banned.token_ids), minus_inf)
-    if metadata.allowed_token_ids is not None:
-        assert metadata.allowed_rows is not None
-        apply_allowed_token_ids(processed, metadata.allowed_rows, metadata.allowed_token_ids)
+    for processor in active:
+        processor.apply(processed, metadata)
     return processed
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask) -> None:
+    """In place: row `bitmask.rows[i]` keeps token t only where bit t % 32 of word t // 32 of
+    `bitmask.words[i]` is set (xgrammar's layout); other rows are untouched."""
+    num_rows, vocab_size = len(bitmask.rows), logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.words[:, :, None] >> shifts).bitwise_and_(1).view(num_rows, -1)[:, :vocab_size]
+    rows = logits.index_select(0, bitmask.rows)
+    rows.masked_fill_(bits == 0, float("-inf"))
+    logits.index_copy_(0, bitmask.rows, rows)
 
 
 def apply_allowed_token_ids(logits: torch.Tensor, allowed_rows: torch.Tensor, allowed: TokenEntries) -> None:

@@ -17,6 +17,14 @@ class TokenEntries:
 
 
 @dataclass
+class TokenBitmask:
+    """Grammar masks of the step's constrained rows: bit t % 32 of word t // 32 set = token t allowed."""
+
+    rows: torch.Tensor  # [R] int64, index into the step's sampled rows
+    words: torch.Tensor  # [R, ceil(V / 32)] int32
+
+
+@dataclass
 class PenaltyMetadata:
     """Penalty settings of the step's rows and the token statistics they apply to.
 
@@ -53,6 +61,8 @@ class SamplingMetadata:
     banned_token_ids: TokenEntries | None = None  # bad words matched this step, stop tokens under min_tokens
     allowed_token_ids: TokenEntries | None = None  # rows listed here may only pick their listed tokens
     allowed_rows: torch.Tensor | None = None  # [B] bool: the rows restricted by allowed_token_ids
+    # Structured output: set by the runner once the constrained rows' grammars have the last token.
+    grammar_bitmask: TokenBitmask | None = None
     # Top-N logprobs to return (the most any row asked for); None when no row asked.
     max_num_logprobs: int | None = None
 
@@ -61,5 +71,11 @@ class SamplingMetadata:
         """True when any pass changes logit values before temperature and truncation."""
         return any(
             setting is not None
-            for setting in (self.allowed_token_ids, self.banned_token_ids, self.logit_bias, self.penalties)
+            for setting in (
+                self.allowed_token_ids,
+                self.banned_token_ids,
+                self.logit_bias,
+                self.penalties,
+                self.grammar_bitmask,
+            )
         )

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from pagoda.outputs import RequestStatus
 from pagoda.sampling_params import SamplingParams
@@ -54,6 +55,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
         self.num_preemptions = 0
+        # Its compiled grammar on the way (structured outputs only): the request is not scheduled
+        # before the compile is done (a failed one is the engine core's to end).
+        self.grammar: Future[Any] | None = None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
@@ -74,6 +78,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """True while the request's grammar compiles, or when it failed to (never schedulable)."""
+        return self.grammar is not None and (not self.grammar.done() or self.grammar.exception() is not None)
 
     @property
     def is_finished(self) -> bool:

@@ -167,9 +167,19 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        # After a preemption the pool is full: admitting more would only thrash.
-        while not preempted_req_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        # After a preemption the pool is full: admitting more would only thrash. Requests whose
+        # grammar still compiles are passed over (they keep their place), the others go in order.
+        position = 0
+        while (
+            not preempted_req_ids
+            and position < len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[position]
+            if request.waits_for_grammar:
+                position += 1
+                continue
             if request.num_pending_tokens:
                 break  # preempted while its last sampled token was in flight: wait for it
             # Prompt logprobs need every prompt position computed, so such a prompt reads no cache.
@@ -182,7 +192,7 @@ class Scheduler:
                 num_new = budget
             if kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[position]
             self.running.append(request)
             request.num_computed_tokens = num_hit_tokens
             block_ids = kv.get_block_ids(request)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,11 +25,12 @@ from pagoda.distributed.parallel_state import get_parallel_state
 from pagoda.forward_context import ForwardContext
 from pagoda.kv_cache_interface import KVCacheConfig, KVCacheSpec, get_kv_cache_config
 from pagoda.outputs import IntermediateTensors, LogprobsArrays, ModelRunnerOutput
-from pagoda.sample.metadata import SamplingMetadata
+from pagoda.sample.metadata import SamplingMetadata, TokenBitmask
 from pagoda.sample.sampler import Sampler, SamplerOutput
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.scheduler.block_pool import NULL_BLOCK_ID
 from pagoda.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.structured_output.spec import GrammarSpec
 from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
 from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
 from pagoda.worker.cuda_graph import BatchDescriptor, CudaGraphManager, CUDAGraphMode, default_capture_sizes
@@ -37,6 +39,9 @@ from pagoda.worker.kv_connector.base import KVConnector
 from pagoda.worker.prompt_logprobs import compute_prompt_logprobs, empty_prompt_logprobs, scored_positions
 from pagoda.worker.sampling_batch import OFF
 from pagoda.worker.tagged_memory import TaggedMemoryPool
+
+if TYPE_CHECKING:
+    from pagoda.structured_output.state import GrammarState
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +164,10 @@ class GPUModelRunner:
                 *(torch.zeros(self.max_num_tokens, hidden_size, dtype=self.dtype, device=device) for _ in range(2))
             )
         self.cudagraph_manager: CudaGraphManager | None = None
+        # Structured output: the requests with a grammar, and the host bitmask their rows fill
+        # each step (made with the first one; nothing of it runs while the set is empty).
+        self._grammar_req_ids: set[str] = set()
+        self._grammar_bitmask: torch.Tensor | None = None
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
     # ---- setup -------------------------------------------------------------------------
@@ -390,6 +399,7 @@ class GPUModelRunner:
         # their state (prompt, seed), since they resume with new blocks.
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self._grammar_req_ids.discard(req_id)
             batch.remove_request(req_id)
         for req_id in scheduler_output.preempted_req_ids:
             batch.remove_request(req_id)
@@ -416,8 +426,11 @@ class GPUModelRunner:
                 block_ids=tuple(list(ids) for ids in new_req.block_ids),
                 num_computed_tokens=new_req.num_computed_tokens,
                 prompt_logprobs=prompt_logprobs,
+                grammar=self._new_grammar(params),
             )
             self.requests[new_req.req_id] = state
+            if state.grammar is not None:
+                self._grammar_req_ids.add(state.req_id)
             batch.add_request(state)
 
         # Phases 4-5: running and resumed requests (phase 3, swaps, comes with reordering).
@@ -431,6 +444,8 @@ class GPUModelRunner:
                 assert token_ids is not None and new_block_ids is not None
                 state.output_token_ids = list(token_ids[len(state.prompt_token_ids) :])
                 state.block_ids = tuple(list(ids) for ids in new_block_ids)
+                if state.grammar is not None:
+                    state.grammar.sync(state.output_token_ids)
             elif new_block_ids is not None:
                 for group, ids in zip(state.block_ids, new_block_ids, strict=True):
                     group.extend(ids)
@@ -447,6 +462,18 @@ class GPUModelRunner:
         batch.condense()
         # Phase 6 (spec decode) has no callback to return until speculative decoding lands.
         return None
+
+    def _new_grammar(self, params: SamplingParams) -> GrammarState | None:
+        """A fresh grammar state for a structured request. The engine core compiled the grammar
+        before scheduling the request; in its process the backend's cache has it already."""
+        if params.structured_outputs is None:
+            return None
+        # xgrammar loads with the first grammar.
+        from pagoda.structured_output.backend import get_backend
+        from pagoda.structured_output.state import GrammarState
+
+        compiled = get_backend(self.model_config).compile(GrammarSpec.of(params.structured_outputs))
+        return GrammarState(compiled)
 
     def _write_new_token_ids(self, state: CachedRequestState, token_ids: list[int]) -> None:
         """Tokens sampled since the request last ran, sent under pipeline parallelism (only the
@@ -741,6 +768,8 @@ class GPUModelRunner:
             index = position - len(state.prompt_token_ids)
             if index < len(state.output_token_ids):
                 state.output_token_ids[index] = token_id
+            if state.grammar is not None and index == len(state.grammar.accepted):
+                state.grammar.accept([token_id])
             now = batch.get_req_index(req_id)
             if now is not None and position < batch.num_tokens[now]:
                 batch.token_ids_cpu[now, position] = token_id
@@ -750,6 +779,41 @@ class GPUModelRunner:
         if self._pending_output is not None:
             self._pending_output.get_output()
             self._pending_output = None
+
+    def _fill_grammar_bitmask(self, inputs: PreparedInputs) -> None:
+        """Give the sampler the grammar masks of the constrained rows that sample this step.
+
+        Called after the forward is launched: with async scheduling, the previous step's ids are
+        waited for here (their copy ends as this step's forward starts), the grammars advance
+        over them and the masks are filled while the device runs the forward. Nothing runs
+        when no request has a grammar.
+        """
+        metadata = inputs.sampling_metadata
+        if not self._grammar_req_ids or metadata is None:
+            return
+        self._resolve_pending_output()
+        req_ids = self.input_batch.req_ids
+        constrained = [
+            (index, grammar)
+            for index, row in enumerate(inputs.sample_rows.tolist())
+            if (grammar := self.requests[req_ids[row]].grammar) is not None and grammar.active
+        ]
+        if not constrained:
+            return
+        if self._grammar_bitmask is None:
+            from pagoda.structured_output.state import allocate_bitmask
+
+            self._grammar_bitmask = allocate_bitmask(self.max_num_reqs, self.vocab_size, self.pin_memory)
+        # The pinned rows are rewritten only after this step's sampling read them: the next fill
+        # first waits for this step's sampled ids, which come after the sampler on the stream.
+        bitmask = self._grammar_bitmask
+        for slot, (_, grammar) in enumerate(constrained):
+            grammar.fill_bitmask(bitmask, slot)
+        rows = torch.tensor([index for index, _ in constrained], dtype=torch.int64)
+        metadata.grammar_bitmask = TokenBitmask(
+            rows=rows.to(self.device, non_blocking=True),
+            words=bitmask[: len(constrained)].to(self.device, non_blocking=True),
+        )
 
     def _needs_host_history(self) -> bool:
         """Bad words are matched on the host against the output so far, the last token included."""
@@ -789,6 +853,7 @@ class GPUModelRunner:
         if isinstance(hidden_states, IntermediateTensors):
             return hidden_states
         self.kv_connector.post_forward(scheduler_output, hidden_states)
+        self._fill_grammar_bitmask(inputs)
         sampler_output = self._sample(hidden_states, inputs)
         output = self._bookkeeping_sync(inputs, sampler_output)
         if post_model_execute_cb is not None:

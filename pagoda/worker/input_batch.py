@@ -9,6 +9,7 @@ compares every row with its `CachedRequestState` (used by the tests).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.output import BlockIds
 from pagoda.worker.block_table import MultiGroupBlockTable
 from pagoda.worker.sampling_batch import SamplingBatch
+
+if TYPE_CHECKING:
+    from pagoda.structured_output.state import GrammarState
 
 
 @dataclass
@@ -34,6 +38,8 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt logprobs filled chunk by chunk during prefill; None when not asked for or delivered.
     prompt_logprobs: LogprobsArrays | None = None
+    # Structured output: the request's place in its grammar (kept across preemption).
+    grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,78 @@
+"""`GrammarState`: where one sample stands in its grammar.
+
+The model runner keeps one per constrained request: it accepts each sampled token once its
+value reaches the host, fills the request's bitmask row before the next sampling, and can roll
+back (for speculative decoding's rejected drafts) or be rebuilt from a token history (after a
+preemption whose replayed history differs from what it accepted).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import xgrammar as xgr
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarState:
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self.accepted: list[int] = []
+        # Set when a sampled token was outside the grammar (only possible when other settings,
+        # e.g. allowed_token_ids, left the row no token the grammar allows): unconstrained since.
+        self.failed = False
+
+    @property
+    def is_terminated(self) -> bool:
+        """True once the grammar accepted a stop token: nothing more may follow."""
+        return self._matcher.is_terminated()
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained."""
+        return not self.failed and not self.is_terminated
+
+    def accept(self, token_ids: list[int]) -> bool:
+        """Advance over `token_ids`; False (and the state failed) at the first one the grammar refuses."""
+        for token_id in token_ids:
+            if not self.active:
+                return False
+            if not self._matcher.accept_token(token_id):
+                logger.warning("sampled token %d is outside the request's grammar: unconstrained from here", token_id)
+                self.failed = True
+                return False
+            self.accepted.append(token_id)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        if num_tokens <= 0:
+            return
+        self._matcher.rollback(num_tokens)
+        del self.accepted[-num_tokens:]
+
+    def sync(self, token_ids: list[int]) -> None:
+        """Make the accepted tokens exactly `token_ids` (rolled back to the common prefix, then advanced)."""
+        common = 0
+        for mine, theirs in zip(self.accepted, token_ids, strict=False):
+            if mine != theirs:
+                break
+            common += 1
+        if common == len(self.accepted) == len(token_ids):
+            return
+        if self.failed:  # start over: the matcher stopped at the refused token
+            self._matcher.reset()
+            self.accepted, self.failed, common = [], False, 0
+        self.rollback(len(self.accepted) - common)
+        self.accept(token_ids[common:])
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i of word w: token 32w + i)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int, pin_memory: bool) -> torch.Tensor:
+    """A host bitmask of `num_rows` rows (int32 words) for `GrammarState.fill_bitmask`."""
+    return torch.zeros((num_rows, -(vocab_size // -32)), dtype=torch.int32, pin_memory=pin_memory)
