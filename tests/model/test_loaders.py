@@ -18,7 +18,6 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralC
 
 from pagoda.attention.backends import get_attention_backend
 from pagoda.attention.layer import Attention
-from pagoda.benchmarks.hf_peer import load_hf_from_gguf
 from pagoda.config import ConfigError, ModelConfig
 from pagoda.kv_cache_interface import SlidingWindowSpec
 from pagoda.model.layers.rotary import rope_settings
@@ -227,17 +226,6 @@ def smollm2():
     tokenizer = load_tokenizer(model, load_format)
     model_config = ModelConfig(model=model, load_format=load_format, dtype=torch.float32, hf_config=hf_config)
     return model_config, tokenizer, get_model(model_config, get_attention_backend("torch"), torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def smollm2_transformers():
-    """transformers' own reading of the GGUF: (config, model, its dequantized tensors by HF name).
-
-    Built with `from_config` + `load_gguf_checkpoint` (what `from_pretrained(gguf_file=...)`
-    does, without the `accelerate` dependency it requires)."""
-    config, model, tensors = load_hf_from_gguf(SMOLLM2_PATH)
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied to the embedding
-    return config, model, tensors
 
 
 @needs_smollm2

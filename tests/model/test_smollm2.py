@@ -13,7 +13,6 @@ from engine_utils import smollm2_gguf_path
 from model_utils import assert_greedy_match, hf_greedy
 
 from pagoda import LLM, SamplingParams
-from pagoda.benchmarks.hf_peer import load_hf_from_gguf
 from pagoda.config import ConfigError
 from pagoda.errors import InvalidRequestError
 from pagoda.sampling_params import SamplingParamsError
@@ -49,11 +48,11 @@ def test_default_model_is_smollm2(llm: LLM) -> None:
     assert llm.llm_engine.config.model_config.model == SMOLLM2
 
 
-def test_greedy_batch_matches_hf_reading_the_same_gguf(llm: LLM) -> None:
+def test_greedy_batch_matches_hf_reading_the_same_gguf(llm: LLM, smollm2_transformers) -> None:
     tokenizer = llm.get_tokenizer()
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     assert len({len(p) for p in prompt_ids}) == len(PROMPTS), "prompts of different lengths"
-    _, hf_model, _ = load_hf_from_gguf(SMOLLM2)
+    hf_model = smollm2_transformers[1]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     compared = 0
