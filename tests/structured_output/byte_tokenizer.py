@@ -18,8 +18,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS)
-    return tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS)
 
 
 def save_byte_tokenizer(path: str) -> None:

@@ -1,0 +1,53 @@
+"""A grammar state: accepts what its grammar allows, masks the rest, ends on eos, rolls back and resyncs."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from structured_output.conftest import EOS_ID, VOCAB
+
+from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.structured_output.spec import GrammarSpec
+from pagoda.structured_output.state import GrammarState, allocate_bitmask
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+def state_of(backend, params: StructuredOutputsParams) -> GrammarState:
+    return GrammarState(backend.compile(GrammarSpec.of(params)))
+
+
+def allowed(state: GrammarState) -> set[int]:
+    bitmask = allocate_bitmask(1, VOCAB, pin_memory=False)
+    state.fill_bitmask(bitmask, 0)
+    bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return set(torch.nonzero(bits.flatten()[:VOCAB]).flatten().tolist())
+
+
+def test_a_json_document_then_eos_terminates(backend) -> None:
+    state = state_of(backend, StructuredOutputsParams(json=SCHEMA))
+    assert allowed(state) == {ord("{")}
+    text = json.dumps({"n": 42})  # the fixed separators: '{"n": 42}'
+    assert state.accept(list(text.encode()))
+    assert allowed(state) == {EOS_ID}  # at its end the grammar allows only the stop token
+    assert state.active and state.accept([EOS_ID])
+    assert state.is_terminated and not state.active
+
+
+def test_a_refused_token_fails_the_state_and_sync_rebuilds_it(backend) -> None:
+    state = state_of(backend, StructuredOutputsParams(choice=["yes", "no"]))
+    assert allowed(state) == {ord("y"), ord("n")}
+    assert not state.accept([ord("x")])
+    assert state.failed and not state.active
+    state.sync(list(b"ye"))
+    assert state.active and state.accepted == list(b"ye") and allowed(state) == {ord("s")}
+
+
+def test_rollback_and_sync_to_another_history(backend) -> None:
+    state = state_of(backend, StructuredOutputsParams(regex=r"(ab|ac)d"))
+    assert state.accept(list(b"ab"))
+    state.rollback(1)
+    assert state.accepted == [ord("a")] and allowed(state) == {ord("b"), ord("c")}
+    state.sync(list(b"acd"))
+    assert state.accepted == list(b"acd") and allowed(state) == {EOS_ID}
