@@ -5,7 +5,7 @@ the template's own pieces are tokenized normally (its special tokens become cont
 tokens), the users' pieces with special-token matching off. So `<|im_start|>` typed by a
 user stays plain text and can never forge a role. The other strings a message may carry
 (`name`, `tool_calls`, `tool_call_id`: templates print them as they are) must not contain a
-special token's text. Messages in OpenAI's shape (assistant `tool_calls`, role "tool") reach
+special token's text, nor may the tools' definitions (printed as they are too). Messages in OpenAI's shape (assistant `tool_calls`, role "tool") reach
 templates that may not know them: a template that leaves a tool message or a tool call out
 of its output is refused rather than answered from a conversation it dropped part of.
 transformers renders templates in an
@@ -16,6 +16,7 @@ and is reported as an InvalidRequestError.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import uuid
@@ -34,8 +35,10 @@ def render_chat(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """`template_kwargs` are extra template variables; `chat_template` replaces the model's."""
+    """`template_kwargs` are extra template variables; `chat_template` replaces the model's;
+    `tools` (OpenAI's tool objects) go to the template's `tools` variable."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "messages must be a non-empty list of {'role', 'content'} dicts")
     if chat_template is None and tokenizer.chat_template is None:
@@ -52,6 +55,8 @@ def render_chat(
         _check_no_special_text(i, message, special_texts)
         placeholder_messages.append({**message, "content": f"{marker}{len(contents)}{marker}"})
         contents.append(message["content"])
+    for i, tool in enumerate(tools or ()):
+        _check_no_special_text_in(f"tools[{i}]", tool, special_texts)
     template_kwargs = template_kwargs or {}
     reserved = sorted(set(template_kwargs) & _reserved_names(tokenizer))
     if reserved:
@@ -64,6 +69,7 @@ def render_chat(
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
+            tools=tools,
             **template_kwargs,
         )
     except Exception as error:  # the template and its variables are input; a failure says what broke
@@ -101,15 +107,36 @@ def _strings(value: Any) -> list[str]:
 def _check_no_special_text(index: int, message: dict[str, Any], special_texts: list[str]) -> None:
     """What a template prints as it is must not forge control tokens (content is kept as text)."""
     for key, value in message.items():
-        if key in ("role", "content"):
-            continue
-        for text in _strings(value):
-            special = next((token for token in special_texts if token in text), None)
-            if special is not None:
-                raise InvalidRequestError(
-                    f"messages[{index}].{key}",
-                    f"messages[{index}].{key} must not contain the special token {special!r}",
-                )
+        if key not in ("role", "content"):
+            _check_no_special_text_in(f"messages[{index}].{key}", value, special_texts)
+
+
+def _check_no_special_text_in(field: str, value: Any, special_texts: list[str]) -> None:
+    for text in _strings(value):
+        special = next((token for token in special_texts if token in text), None)
+        if special is not None:
+            raise InvalidRequestError(field, f"{field} must not contain the special token {special!r}")
+
+
+# A tool no template could know of, to see whether a template prints the tools it is given.
+_PROBE_TOOL = {"type": "function", "function": {"name": "pagoda_probe_tool_5e1f", "parameters": {"type": "object"}}}
+
+
+@functools.lru_cache(maxsize=32)
+def renders_tools(tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None) -> bool:
+    """Whether the template (the model's, or `chat_template`) prints the `tools` it is given:
+    SmolLM2's, like many, ignores them, and tools must then reach the model another way."""
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}],
+            tokenize=False,
+            add_generation_prompt=True,
+            chat_template=chat_template,
+            tools=[_PROBE_TOOL],
+        )
+    except Exception:  # a template that fails on tools cannot render them
+        return False
+    return isinstance(rendered, str) and _PROBE_TOOL["function"]["name"] in rendered
 
 
 def _is_tool_message(message: dict[str, Any]) -> bool:

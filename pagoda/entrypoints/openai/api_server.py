@@ -153,7 +153,13 @@ def build_app(
         app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
     app.add_middleware(DrainingMiddleware, state=app.state)
     completions = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name, options.trust_request_chat_template)
+    chat = OpenAIServingChat(
+        engine,
+        served_model_name,
+        options.trust_request_chat_template,
+        options.tool_call_parser,
+        options.reasoning_parser,
+    )
     responses = OpenAIServingResponses(engine, served_model_name, ResponseStore())
     tokenization = OpenAIServingTokenization(engine, served_model_name, options.trust_request_chat_template)
     max_model_len = engine.config.model_config.max_model_len

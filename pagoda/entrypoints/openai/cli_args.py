@@ -8,6 +8,8 @@ import socket
 from dataclasses import dataclass
 
 from pagoda.config import ConfigError
+from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS
+from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_NUM_QUEUED_REQUESTS = 4096
@@ -34,6 +36,9 @@ class ServerOptions:
     strict_request_fields: bool = False
     # Serve the chat page at GET /.
     enable_ui: bool = True
+    # Parsers of chat answers by name (tool_parsers/, reasoning/); None: the model's default / none.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -45,6 +50,8 @@ class ServerOptions:
             enable_weight_updates=args.enable_weight_updates,
             strict_request_fields=args.strict_request_fields,
             enable_ui=not args.no_ui,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
 
 
@@ -148,6 +155,19 @@ def _add_feature_args(group: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="refuse request fields the server does not know with a 400 (default: ignore them, "
         "name them in the log and count them in the x-pagoda-ignored-fields header)",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how tool calls are read from chat answers with tool_choice 'auto' (default: from the chat "
+        "template: mistral where it has [TOOL_CALLS], llama3_json where it has <|python_tag|>, else hermes)",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="split <think>...</think> reasoning from chat answers into reasoning_content (default: none)",
     )
     group.add_argument("--no-ui", action="store_true", help="do not serve the chat page at GET /")
     group.add_argument(

@@ -22,8 +22,10 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     PrivateAttr,
+    Tag,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
@@ -183,7 +185,53 @@ class SamplingFields(RequestBody):
     metadata: dict[Text, Text] | None = None
 
 
-class CompletionRequest(SamplingFields):
+# A JSON object from the client (every string valid Unicode text).
+JSONObject = Annotated[dict[str, Any], AfterValidator(_check_json_texts)]
+
+
+class JSONSchemaSpec(StrictModel):
+    name: Text
+    description: Text | None = None
+    # `schema` is a BaseModel attribute, hence the alias; None: any JSON object.
+    json_schema: JSONObject | None = Field(default=None, alias="schema")
+    # The schema is always enforced; `strict` is accepted for OpenAI's clients.
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is needed with type 'json_schema' and taken with no other type")
+        return self
+
+
+class StructuredOutputsField(StrictModel):
+    """vLLM's `structured_outputs` object: one of its keys set (as SamplingParams takes it)."""
+
+    json_schema: JSONObject | Text | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+
+
+class ConstraintFields(StrictModel):
+    """Ways to constrain the output (see structured.py): OpenAI's response_format, vLLM's
+    guided_* fields and its newer structured_outputs object. At most one per request."""
+
+    response_format: ResponseFormat | None = None
+    guided_json: JSONObject | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputsField | None = None
+
+
+class CompletionRequest(SamplingFields, ConstraintFields):
     prompt: Prompt
     max_tokens: int | None = 16
     echo: bool = False
@@ -330,23 +378,53 @@ class ChatTemplateFields(StrictModel):
     chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_check_json_texts)] | None = None
 
 
-# A JSON object a client sent for a feature the server checks for but does not implement.
-JSONObject = Annotated[dict[str, Any], AfterValidator(_check_json_texts)]
+class FunctionDefinition(StrictModel):
+    name: Text
+    description: Text | None = None
+    # A JSON schema of the arguments object; None: the function takes none.
+    parameters: JSONObject | None = None
+    strict: bool | None = None
 
 
-class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: Text
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+def _tool_choice_kind(value: Any) -> str:
+    return "named-function" if isinstance(value, dict) else "choice-mode"
+
+
+# Tags that are not identifiers stay out of error paths (errors._param_path).
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("choice-mode")]
+    | Annotated[NamedToolChoice, Tag("named-function")],
+    Discriminator(_tool_choice_kind),
+]
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ConstraintFields):
     messages: Messages
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # OpenAI fields refused unless they ask for nothing (see serving_chat.py's CHAT_FIELD_RULES).
-    tools: list[JSONObject] | None = None
-    tool_choice: Text | JSONObject | None = None
     functions: list[JSONObject] | None = None
     function_call: Text | JSONObject | None = None
-    response_format: JSONObject | None = None
     modalities: list[Text] | None = None
     audio: JSONObject | None = None
     prediction: JSONObject | None = None
@@ -355,7 +433,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     service_tier: Text | None = None
     # OpenAI fields accepted and ignored: hints with no counterpart here (see the README).
     store: bool | None = None
-    parallel_tool_calls: bool | None = None
     reasoning_effort: Text | None = None
     verbosity: Text | None = None
     prompt_cache_key: Text | None = None
@@ -457,7 +534,10 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # With --reasoning-parser: the reasoning the model wrote before its answer.
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -477,9 +557,26 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed call: the first has its id, type and name; later ones only add
+    to its arguments (OpenAI's wire format)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

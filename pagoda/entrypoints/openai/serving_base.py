@@ -70,9 +70,7 @@ class FieldRule:
     why: str  # the refusal's message, naming the field
 
 
-TOOLS_LATER = "tools are not supported yet"
-# Rules the chat and Responses routes share.
-NO_TOOLS = FieldRule("tools", lambda body: not body.tools, f"{TOOLS_LATER}: send no tools (an empty list is accepted)")
+# A rule the chat and Responses routes share.
 ONE_SERVICE_TIER = FieldRule(
     "service_tier",
     lambda body: body.service_tier in (None, "auto", "default"),
@@ -121,10 +119,13 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def sampling_params(self, body: SamplingFields, max_tokens: int | None, **fields: Any) -> SamplingParams:
+    def sampling_params(
+        self, body: SamplingFields, max_tokens: int | None, param_names: dict[str, str] | None = None, **fields: Any
+    ) -> SamplingParams:
         """SamplingParams from the fields the client set; an unset one takes the model's default
         (its generation_config, see ModelConfig.default_sampling), else SamplingParams'.
-        `max_tokens` None means until the end of the text or of the context."""
+        `max_tokens` None means until the end of the text or of the context. `param_names`
+        add this request's own field names for errors (a constraint's, see structured.py)."""
         kwargs = dict(self.engine.config.model_config.default_sampling)
         kwargs.update({name: getattr(body, name) for name in SHARED_SAMPLING_FIELDS if getattr(body, name) is not None})
         kwargs.update({name: value for name, value in fields.items() if value is not None})
@@ -132,14 +133,20 @@ class OpenAIServing:
         try:
             return SamplingParams(**kwargs)
         except InvalidRequestError as error:
-            raise invalid_request(error, self.param_names) from error
+            raise invalid_request(error, {**self.param_names, **(param_names or {})}) from error
 
     async def start(
-        self, prompts: list[PromptType], params: SamplingParams, id_prefix: str, body: SamplingFields | None = None
+        self,
+        prompts: list[PromptType],
+        params: SamplingParams,
+        id_prefix: str,
+        body: SamplingFields | None = None,
+        param_names: dict[str, str] | None = None,
     ) -> tuple[str, list[str]]:
         """Queue one engine request per prompt (all or none); returns the response's id and the
         requests' ids (the response's id and the prompt's position). `body` gives the cache salt
-        and the client's tags to log."""
+        and the client's tags to log; `param_names` as for sampling_params (the engine refuses a
+        constraint that does not compile here)."""
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         cache_salt = None
         if body is not None:
@@ -151,7 +158,7 @@ class OpenAIServing:
                 [(p, params, rid) for p, rid in zip(prompts, request_ids, strict=True)], cache_salt=cache_salt
             )
         except InvalidRequestError as error:
-            raise invalid_request(error, self.param_names) from error
+            raise invalid_request(error, {**self.param_names, **(param_names or {})}) from error
         return response_id, request_ids
 
     def outputs(self, request_ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,22 +1,30 @@
 """`POST /v1/chat/completions`: the conversation rendered with the model's chat template
 (user text stays text: `render_chat`), one engine request carrying n samples.
 
-OpenAI fields for what the server lacks (tools, structured output, audio, predicted outputs,
-web search, moderation, service tiers) are refused with a 400 naming the field unless their
-value asks for nothing (`tools: []`, `tool_choice: "none"`, `modalities: ["text"]`, ...)."""
+Tools are rendered through the template's `tools` variable, or the fallback tool prompt
+(tool_prompt.py) when the template prints no tools; the answer is parsed into reasoning,
+content and tool calls (message_parser.py) when a reasoning parser is set or the request has
+tools (tools.py says what each tool_choice does). A constraint (structured.py) goes to the
+engine as structured outputs.
+
+OpenAI fields for what the server lacks (the older functions, audio, predicted outputs, web
+search, moderation, service tiers) are refused with a 400 naming the field unless their value
+asks for nothing (`functions: []`, `modalities: ["text"]`, ...)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.engine.chat import render_chat
+from pagoda.engine.chat import render_chat, renders_tools
 from pagoda.entrypoints.openai.errors import OpenAIError, invalid_request
+from pagoda.entrypoints.openai.message_parser import MessageParser
 from pagoda.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -28,13 +36,16 @@ from pagoda.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
+    FunctionCall,
+    FunctionCallDelta,
     TokenizeRequest,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
 )
+from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser
 from pagoda.entrypoints.openai.serving_base import (
-    NO_TOOLS,
     ONE_SERVICE_TIER,
-    TOOLS_LATER,
     FieldRule,
     OpenAIServing,
     check_field_rules,
@@ -44,27 +55,18 @@ from pagoda.entrypoints.openai.serving_base import (
     top_candidates,
 )
 from pagoda.entrypoints.openai.streaming import ChoiceTracker
+from pagoda.entrypoints.openai.structured import request_constraint
+from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, default_tool_parser
+from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from pagoda.entrypoints.openai.tool_prompt import with_tool_prompt
+from pagoda.entrypoints.openai.tools import ToolPlan, call_id, tool_plan
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import RequestOutput, SampleLogprobs
 
+FUNCTIONS_GONE = "functions and function_call (OpenAI's older tool API) are not supported: send tools and tool_choice"
 CHAT_FIELD_RULES = (
-    NO_TOOLS,
-    FieldRule(
-        "tool_choice",
-        lambda body: body.tool_choice in (None, "none"),
-        f"{TOOLS_LATER}: tool_choice may only be 'none'",
-    ),
-    FieldRule("functions", lambda body: not body.functions, f"{TOOLS_LATER}: send no functions (the older tools)"),
-    FieldRule(
-        "function_call",
-        lambda body: body.function_call in (None, "none"),
-        f"{TOOLS_LATER}: function_call may only be 'none'",
-    ),
-    FieldRule(
-        "response_format",
-        lambda body: body.response_format in (None, {"type": "text"}),
-        "response_format is not supported yet (structured output): only {'type': 'text'} is accepted",
-    ),
+    FieldRule("functions", lambda body: not body.functions, FUNCTIONS_GONE),
+    FieldRule("function_call", lambda body: body.function_call in (None, "none"), FUNCTIONS_GONE),
     FieldRule(
         "modalities",
         lambda body: body.modalities in (None, ["text"]),
@@ -88,39 +90,111 @@ class OpenAIServingChat(OpenAIServing):
     # Chat's prompt is its messages; its number of candidates per token is top_logprobs.
     param_names: ClassVar[dict[str, str]] = {"prompt": "messages", "logprobs": "top_logprobs"}
 
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_name: str,
+        trust_request_chat_template: bool = False,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> None:
+        super().__init__(engine, served_model_name, trust_request_chat_template)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_parser = TOOL_PARSERS[tool_call_parser or default_tool_parser(template)]
+        self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_request(body)
         check_field_rules(body, CHAT_FIELD_RULES)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-        prompt = await render_messages(self.engine, body, self.trust_request_chat_template)
+        plan = tool_plan(body)
+        constraint = request_constraint(body)
+        forced = plan.constraint() if plan is not None else None
+        if constraint is not None and forced is not None:
+            raise OpenAIError(
+                400,
+                f"{constraint.field} and tool_choice {plan.choice!r} each constrain the output: send one of them "
+                "(with tool_choice 'auto' the constraint shapes the answer and calls in it are parsed)",
+                constraint.field,
+            )
+        constraint = constraint or forced
+        tool_prompt = plan is not None and not await self.template_renders_tools(body)
+        prompt = await render_messages(
+            self.engine, body, self.trust_request_chat_template, plan.tools if plan else None, tool_prompt
+        )
+        parsers = self.message_parsers(plan, tool_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self.sampling_params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        response_id, request_ids = await self.start([prompt], params, "chatcmpl", body)
+        names = constraint.param_names() if constraint is not None else None
+        params = self.sampling_params(
+            body,
+            max_tokens,
+            names,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            structured_outputs=constraint.params if constraint is not None else None,
+            skip_special_tokens=body.skip_special_tokens if parsers is None else parsers.skip_special_tokens(body),
+        )
+        response_id, request_ids = await self.start([prompt], params, "chatcmpl", body, names)
         outputs = self.outputs(request_ids)
         stops = list(params.stop)
         return await self.respond(
             raw_request,
             request_ids,
             body.stream,
-            chunks=lambda: self._chunks(body, response_id, outputs, stops),
-            final=lambda: self._final(body, response_id, outputs),
+            chunks=lambda: self._chunks(body, response_id, outputs, stops, parsers),
+            final=lambda: self._final(body, response_id, outputs, parsers),
         )
 
+    async def template_renders_tools(self, body: ChatCompletionRequest) -> bool:
+        """Whether the request's template prints tools (else the fallback tool prompt is used)."""
+        tokenizer = self.engine.processing_tokenizer
+        if tokenizer is None:
+            return False  # render_messages refuses the request
+        return await self.engine.run_processing(lambda: renders_tools(tokenizer, body.chat_template))
+
+    def message_parsers(self, plan: ToolPlan | None, tool_prompt: bool) -> MessageParsers | None:
+        """How this request's choices are parsed (None: their text is the content as it is)."""
+        tools: ToolParser | None = None
+        if plan is not None and plan.parses_calls:
+            forced = plan.forced_parser()
+            tools = forced if forced is not None else (HermesToolParser() if tool_prompt else self.tool_parser())
+        if tools is None and self.reasoning_parser is None:
+            return None
+        return MessageParsers(self.reasoning_parser, tools)
+
     async def _final(
-        self, body: ChatCompletionRequest, response_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]]
+        self,
+        body: ChatCompletionRequest,
+        response_id: str,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        parsers: MessageParsers | None,
     ) -> ChatCompletionResponse:
         (output,) = await self.final_outputs(outputs)
-        choices = [
-            ChatChoice(
-                index=completion.index,
-                message=ChatResponseMessage(content=completion.text),
-                logprobs=self._logprobs(completion.token_ids, completion.logprobs, body) if body.logprobs else None,
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
+        choices = []
+        for completion in output.outputs:
+            message = ChatResponseMessage(content=completion.text)
+            finish_reason = completion.finish_reason
+            if parsers is not None:
+                parsed = parsers.new().parse(completion.text)
+                calls = [
+                    ToolCall(id=call_id(), type="function", function=FunctionCall(name=c.name, arguments=c.arguments))
+                    for c in parsed.calls
+                ]
+                message = ChatResponseMessage(
+                    content=parsed.content or (None if calls else ""),
+                    reasoning_content=parsed.reasoning or None,
+                    tool_calls=calls or None,
+                )
+                finish_reason = tool_finish_reason(finish_reason, bool(calls))
+            choices.append(
+                ChatChoice(
+                    index=completion.index,
+                    message=message,
+                    logprobs=self._logprobs(completion.token_ids, completion.logprobs, body) if body.logprobs else None,
+                    finish_reason=finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
             )
-            for completion in output.outputs
-        ]
         return ChatCompletionResponse(
             id=response_id,
             created=created(),
@@ -135,9 +209,11 @@ class OpenAIServingChat(OpenAIServing):
         response_id: str,
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         stops: list[str],
+        parsers: MessageParsers | None,
     ) -> AsyncIterator[ChatCompletionChunk]:
         created_at = created()
         trackers: dict[int, ChoiceTracker] = {}
+        streams: dict[int, StreamedMessage] = {}
         latest: dict[int, RequestOutput] = {}
 
         def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
@@ -148,22 +224,31 @@ class OpenAIServingChat(OpenAIServing):
         async for position, output in outputs:
             latest[position] = output
             for completion in output.outputs:
-                if completion.index not in trackers:
-                    trackers[completion.index] = ChoiceTracker(stops)
-                    yield chunk(ChatChunkChoice(index=completion.index, delta=ChatDelta(role="assistant", content="")))
-                delta = trackers[completion.index].update(completion)
+                index = completion.index
+                if index not in trackers:
+                    trackers[index] = ChoiceTracker(stops)
+                    streams[index] = StreamedMessage(parsers.new() if parsers is not None else None)
+                    yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+                tracker = trackers[index]
+                delta = tracker.update(completion)
                 if delta is None:
                     continue
                 logprobs = self._logprobs(delta.token_ids, delta.logprobs, body) if body.logprobs else None
-                yield chunk(
-                    ChatChunkChoice(
-                        index=completion.index,
-                        delta=ChatDelta(content=delta.text),
-                        logprobs=logprobs,
-                        finish_reason=delta.finish_reason,
-                        stop_reason=delta.stop_reason,
-                    )
+                deltas = streams[index].deltas(
+                    completion.text[: tracker.num_chars_sent], delta.text, delta.finish_reason
                 )
+                finish_reason = streams[index].finish_reason(delta.finish_reason)
+                for i, piece in enumerate(deltas):
+                    last = i == len(deltas) - 1
+                    yield chunk(
+                        ChatChunkChoice(
+                            index=index,
+                            delta=piece,
+                            logprobs=logprobs if i == 0 else None,
+                            finish_reason=finish_reason if last else None,
+                            stop_reason=delta.stop_reason if last else None,
+                        )
+                    )
         if body.stream_options is not None and body.stream_options.include_usage:
             yield ChatCompletionChunk(
                 id=response_id, created=created_at, model=self.served_model_name, choices=[], usage=make_usage(latest)
@@ -198,10 +283,15 @@ class OpenAIServingChat(OpenAIServing):
 
 
 async def render_messages(
-    engine: AsyncLLM, body: ChatCompletionRequest | TokenizeRequest, trust_request_chat_template: bool
+    engine: AsyncLLM,
+    body: ChatCompletionRequest | TokenizeRequest,
+    trust_request_chat_template: bool,
+    tools: tuple[dict[str, Any], ...] | None = None,
+    tool_prompt: bool = False,
 ) -> list[int]:
     """The conversation's prompt token ids under the model's chat template (or the request's,
-    when the server trusts requests with templates), rendered on the engine's processing thread."""
+    when the server trusts requests with templates), rendered on the engine's processing thread.
+    `tools` go to the template, or with `tool_prompt` into the fallback tool prompt."""
     tokenizer = engine.processing_tokenizer
     if tokenizer is None:
         raise OpenAIError(400, "this model has no tokenizer, so no chat template: use /v1/completions", "messages")
@@ -215,10 +305,18 @@ async def render_messages(
                 field,
             )
     conversation = [template_message(message) for message in body.messages]
+    template_tools = list(tools) if tools and not tool_prompt else None
+    if tools and tool_prompt:
+        conversation = with_tool_prompt(conversation, tools)
     try:
         return await engine.run_processing(
             lambda: render_chat(
-                tokenizer, conversation, body.add_generation_prompt, body.chat_template, body.chat_template_kwargs
+                tokenizer,
+                conversation,
+                body.add_generation_prompt,
+                body.chat_template,
+                body.chat_template_kwargs,
+                template_tools,
             )
         )
     except InvalidRequestError as error:
@@ -247,3 +345,61 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         entry["tool_call_id"] = message.tool_call_id
     return entry
+
+
+def tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason for an answer that calls tools: "tool_calls" where it ended on its own."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+@dataclass(frozen=True)
+class MessageParsers:
+    """The parsers of one request's choices (a MessageParser holds one choice's stream)."""
+
+    reasoning: type[ReasoningParser] | None
+    tools: ToolParser | None  # stateless: one for every choice
+
+    def new(self) -> MessageParser:
+        return MessageParser(self.reasoning() if self.reasoning is not None else None, self.tools)
+
+    def skip_special_tokens(self, body: ChatCompletionRequest) -> bool | None:
+        """The request's setting, else false where the call marker is a special token."""
+        if body.skip_special_tokens is None and self.tools is not None and self.tools.needs_special_tokens:
+            return False
+        return body.skip_special_tokens
+
+
+class StreamedMessage:
+    """One choice's stream: its text as deltas of content, reasoning and tool-call fragments."""
+
+    def __init__(self, parser: MessageParser | None) -> None:
+        self.parser = parser
+        self.num_calls = 0
+
+    def deltas(self, text: str, new_text: str, finish_reason: str | None) -> list[ChatDelta]:
+        """What `text` (the choice's text so far, `new_text` its newest part) adds; one empty
+        delta where nothing is new, so that logprobs and the finish reason still go out."""
+        if self.parser is None:
+            return [ChatDelta(content=new_text)]
+        parsed = self.parser.update(text, final=finish_reason is not None)
+        deltas = []
+        if parsed.reasoning:
+            deltas.append(ChatDelta(reasoning_content=parsed.reasoning))
+        if parsed.content:
+            deltas.append(ChatDelta(content=parsed.content))
+        for call in parsed.calls:
+            index = self.num_calls
+            self.num_calls += 1
+            first = ToolCallDelta(
+                index=index, id=call_id(), type="function", function=FunctionCallDelta(name=call.name, arguments="")
+            )
+            deltas += [
+                ChatDelta(tool_calls=[first]),
+                ChatDelta(
+                    tool_calls=[ToolCallDelta(index=index, function=FunctionCallDelta(arguments=call.arguments))]
+                ),
+            ]
+        return deltas or [ChatDelta()]
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return tool_finish_reason(finish_reason, self.num_calls > 0)

@@ -40,9 +40,7 @@ from pagoda.entrypoints.openai.protocol_responses import (
 )
 from pagoda.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagoda.entrypoints.openai.serving_base import (
-    NO_TOOLS,
     ONE_SERVICE_TIER,
-    TOOLS_LATER,
     FieldRule,
     OpenAIServing,
     check_field_rules,
@@ -52,8 +50,9 @@ from pagoda.entrypoints.openai.serving_chat import render_messages
 from pagoda.entrypoints.openai.streaming import ChoiceTracker
 from pagoda.outputs import RequestOutput
 
+TOOLS_LATER = "tools are not supported on /v1/responses yet (they are on /v1/chat/completions)"
 RESPONSES_FIELD_RULES = (
-    NO_TOOLS,
+    FieldRule("tools", lambda body: not body.tools, f"{TOOLS_LATER}: send no tools (an empty list is accepted)"),
     FieldRule(
         "tool_choice",
         lambda body: body.tool_choice in (None, "none", "auto"),
@@ -62,8 +61,8 @@ RESPONSES_FIELD_RULES = (
     FieldRule(
         "text.format",
         lambda body: body.text is None or body.text.format in (None, {"type": "text"}),
-        "text.format json_schema (or json_object) is not supported yet (structured output): "
-        "only {'type': 'text'} is accepted",
+        "text.format json_schema (or json_object) is not supported yet on /v1/responses "
+        "(response_format is, on /v1/chat/completions): only {'type': 'text'} is accepted",
     ),
     FieldRule("include", lambda body: not body.include, "include is not supported: responses carry no extra data"),
     FieldRule("top_logprobs", lambda body: not body.top_logprobs, "top_logprobs is not supported by /v1/responses yet"),
