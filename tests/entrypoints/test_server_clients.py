@@ -1,12 +1,14 @@
 """The clients users point at vLLM-style servers, against one real `pagoda serve`: the official
 `openai` SDK (chat, completions, responses, streaming each, raw responses and their headers),
-LangChain's `ChatOpenAI` (invoke, stream, batch, a multi-turn conversation, the Responses API)
-and LiteLLM's `completion` (streaming and not). Greedy answers must be sensible ("Paris"), a
+LangChain's `ChatOpenAI` (invoke, stream, batch, a multi-turn conversation, the Responses API,
+structured output, bound tools) and LiteLLM's `completion` (streaming and not, tools); the SDK's
+`parse` with a pydantic model and its tool calls. Greedy answers must be sensible ("Paris"), a
 stream must join to the answer without streaming, and no client may send a field the server
 does not know (the `x-pagoda-ignored-fields` header stays absent)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -23,15 +25,21 @@ litellm = pytest.importorskip("litellm")
 
 from engine_utils import smollm2_gguf_path  # noqa: E402
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage  # noqa: E402
-from pydantic import BaseModel  # noqa: E402
+from pydantic import BaseModel, Field  # noqa: E402
 from server_utils import API_KEY, HTTP_TIMEOUT_S, MODEL, RemoteServer  # noqa: E402
 
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 32
+# Room for one forced tool call or a small JSON object.
+TOOL_TOKENS = 48
 HEADER = "x-pagoda-ignored-fields"
 FRANCE = "What is the capital of France?"
 QUESTION = [{"role": "user", "content": FRANCE}]
 PROMPT = "The capital of France is"
+
+
+class Capital(BaseModel):
+    city: str = Field(max_length=20)
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +162,31 @@ def test_openai_streaming_response_headers(client: openai.OpenAI, chat_answer: s
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_answer
 
 
+def test_openai_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=QUESTION, max_tokens=TOOL_TOKENS, temperature=0, response_format=Capital
+    )
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, Capital), message
+
+
+def test_openai_tool_calls(client: openai.OpenAI) -> None:
+    tool = openai.pydantic_function_tool(Capital, name="report_capital")
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=TOOL_TOKENS,
+        temperature=0,
+        tools=[tool],
+        tool_choice="required",
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "report_capital" and call.id.startswith("call_")
+    Capital.model_validate_json(call.function.arguments)
+
+
 # ---- LangChain's ChatOpenAI ------------------------------------------------------------------
 
 
@@ -214,27 +247,23 @@ def test_langchain_responses_api(server: RemoteServer, chat_answer: str) -> None
     assert "".join(chunk.text for chunk in model.stream(FRANCE)) == chat_answer
 
 
-def test_langchain_tools_are_refused_by_name(chat_model) -> None:
-    """bind_tools sends `tools`, which the server refuses (no tool calling yet) with a 400 saying so."""
-
-    def capital(country: str) -> str:
-        """The capital of a country."""
-        return "Paris"
-
-    with pytest.raises(openai.BadRequestError, match="tools are not supported yet"):
-        chat_model.bind_tools([capital]).invoke(FRANCE)
+def capital(country: str) -> str:
+    """The capital of a country."""
+    return "Paris"
 
 
-class Capital(BaseModel):
-    city: str
+def test_langchain_bind_tools_invoke_and_stream(chat_model) -> None:
+    """bind_tools with a forced choice: the call comes back parsed, streamed or not."""
+    model = chat_model.bind_tools([capital], tool_choice="capital").with_config(max_tokens=TOOL_TOKENS)
+    message = model.invoke(FRANCE)
+    (call,) = message.tool_calls
+    assert call["name"] == "capital" and isinstance(call["args"]["country"], str)
+    joined = None
+    for chunk in model.stream(FRANCE):
+        joined = chunk if joined is None else joined + chunk
+    assert [(c["name"], c["args"]) for c in joined.tool_calls] == [(call["name"], call["args"])]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=openai.BadRequestError,
-    reason="server gap: response_format json_schema (LangChain's default structured output) is refused: "
-    "400 'response_format is not supported yet (structured output)'",
-)
 def test_langchain_structured_output(chat_model) -> None:
     answer = chat_model.with_structured_output(Capital).invoke(FRANCE)
     assert isinstance(answer, Capital)
@@ -261,3 +290,33 @@ def test_litellm_stream_usage(server: RemoteServer) -> None:
     chunks = list(litellm_completion(server, stream=True, stream_options={"include_usage": True}))
     usage = next(c.usage for c in reversed(chunks) if getattr(c, "usage", None))
     assert 0 < usage.completion_tokens <= MAX_TOKENS and usage.prompt_tokens > 0
+
+
+def test_litellm_tool_calls(server: RemoteServer) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "capital",
+            "description": "The capital of a country.",
+            "parameters": {
+                "type": "object",
+                "properties": {"country": {"type": "string", "maxLength": 20}},
+                "required": ["country"],
+            },
+        },
+    }
+    response = litellm.completion(
+        model=f"openai/{MODEL}",
+        api_base=server.url + "/v1",
+        api_key=API_KEY,
+        messages=QUESTION,
+        max_tokens=TOOL_TOKENS,
+        temperature=0,
+        num_retries=0,
+        timeout=HTTP_TIMEOUT_S,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "capital"}},
+    )
+    (call,) = response.choices[0].message.tool_calls
+    assert call.function.name == "capital"
+    assert isinstance(json.loads(call.function.arguments)["country"], str)

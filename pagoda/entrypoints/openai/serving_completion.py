@@ -1,5 +1,6 @@
 """`POST /v1/completions`: one engine request per prompt; choice `i * n + k` is sample k of
-prompt i. Echo prepends the prompt (and, with logprobs, its logprobs)."""
+prompt i. Echo prepends the prompt (and, with logprobs, its logprobs). A constraint
+(response_format, guided_*, structured_outputs: structured.py) shapes every choice."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from pagoda.entrypoints.openai.serving_base import (
     top_candidates,
 )
 from pagoda.entrypoints.openai.streaming import ChoiceTracker
+from pagoda.entrypoints.openai.structured import request_constraint
 from pagoda.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
 
 COMPLETION_FIELD_RULES = (
@@ -49,8 +51,17 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = body.logprobs
-        params = self.sampling_params(body, body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
-        response_id, request_ids = await self.start(prompt_list(body.prompt), params, "cmpl", body)
+        constraint = request_constraint(body)
+        names = constraint.param_names() if constraint is not None else None
+        params = self.sampling_params(
+            body,
+            body.max_tokens,
+            names,
+            logprobs=body.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=constraint.params if constraint is not None else None,
+        )
+        response_id, request_ids = await self.start(prompt_list(body.prompt), params, "cmpl", body, names)
         outputs = self.outputs(request_ids)
         stops = list(params.stop)
         return await self.respond(
