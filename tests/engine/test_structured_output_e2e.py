@@ -11,6 +11,7 @@ import time
 
 import jsonschema
 import pytest
+import torch
 from engine_utils import smollm2_gguf_path
 from model_utils import save_tiny_checkpoint
 from structured_output.byte_tokenizer import save_byte_tokenizer
@@ -255,15 +256,26 @@ TINY_SCHEMA = {
 }
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    ("device", "async_scheduling"),
+    [
+        pytest.param("cpu", False, id="sync"),
+        pytest.param("cpu", True, id="async"),
+        # On the GPU the mask is filled while the forward (a CUDA graph when all rows decode) runs.
+        pytest.param("cuda", False, id="cuda-sync", marks=pytest.mark.gpu),
+        pytest.param("cuda", True, id="cuda-async", marks=pytest.mark.gpu),
+    ],
+)
 def test_tiny_checkpoint_under_preemption_logprobs_stop_strings_and_aborts(
-    tiny_path: str, async_scheduling: bool
+    tiny_path: str, device: str, async_scheduling: bool
 ) -> None:
     """A pool of 24 blocks of 16 tokens for 12 requests of up to ~60 tokens: requests are preempted and
     resumed (their grammar state survives or is rebuilt); random weights, so only the grammar makes JSON."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     llm = LLM(
         model=tiny_path,
-        device="cpu",
+        device=device,
         dtype="float32",
         max_model_len=128,
         num_gpu_blocks=24,
