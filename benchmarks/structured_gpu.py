@@ -21,7 +21,7 @@ from collections import defaultdict
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.benchmarks.throughput import nanobench_workload
-from pagoda.structured_output.state import GrammarState
+from pagoda.structured_output.state import GrammarBatch
 from pagoda.worker.gpu_model_runner import GPUModelRunner
 
 ENDLESS_LIST = r"""
@@ -58,7 +58,7 @@ def main() -> None:
     totals: dict[str, float] = defaultdict(float)
     steps = defaultdict(int)
     for name in ("accept", "fill_bitmask"):
-        _timed(GrammarState, name, totals)
+        _timed(GrammarBatch, name, totals)
     fill_steps = GPUModelRunner._fill_grammar_bitmask
 
     def counting_fill(self, inputs):

@@ -39,12 +39,17 @@ class GrammarState:
         for token_id in token_ids:
             if not self.active:
                 return False
-            if not self._matcher.accept_token(token_id):
-                logger.warning("sampled token %d is outside the request's grammar: unconstrained from here", token_id)
-                self.failed = True
+            if not self._record(token_id, self._matcher.accept_token(token_id)):
                 return False
-            self.accepted.append(token_id)
         return True
+
+    def _record(self, token_id: int, accepted: bool) -> bool:
+        if accepted:
+            self.accepted.append(token_id)
+        else:
+            logger.warning("sampled token %d is outside the request's grammar: unconstrained from here", token_id)
+            self.failed = True
+        return accepted
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""
@@ -71,6 +76,28 @@ class GrammarState:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i of word w: token 32w + i)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class GrammarBatch:
+    """Advances and fills many grammar states in one call each, in xgrammar's own threads: one
+    Python call per state cost ~40 us a row, several milliseconds a step at batch 256."""
+
+    def __init__(self) -> None:
+        self._batch = xgr.BatchGrammarMatcher()
+
+    def accept(self, states: list[GrammarState], token_ids: list[int]) -> None:
+        """Advance each active state over its one token."""
+        pairs = [(state, token_id) for state, token_id in zip(states, token_ids, strict=True) if state.active]
+        if not pairs:
+            return
+        matchers = [state._matcher for state, _ in pairs]
+        results = self._batch.batch_accept_token(matchers, [token_id for _, token_id in pairs])
+        for (state, token_id), accepted in zip(pairs, results, strict=True):
+            state._record(token_id, accepted)
+
+    def fill_bitmask(self, states: list[GrammarState], bitmask: torch.Tensor) -> None:
+        """Write state i's allowed next tokens into `bitmask[i]`."""
+        self._batch.batch_fill_next_token_bitmask([state._matcher for state in states], bitmask)
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int, pin_memory: bool) -> torch.Tensor:

@@ -41,7 +41,7 @@ from pagoda.worker.sampling_batch import OFF
 from pagoda.worker.tagged_memory import TaggedMemoryPool
 
 if TYPE_CHECKING:
-    from pagoda.structured_output.state import GrammarState
+    from pagoda.structured_output.state import GrammarBatch, GrammarState
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ class GPUModelRunner:
         # each step (made with the first one; nothing of it runs while the set is empty).
         self._grammar_req_ids: set[str] = set()
         self._grammar_bitmask: torch.Tensor | None = None
+        self._grammar_batcher: GrammarBatch | None = None
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
     # ---- setup -------------------------------------------------------------------------
@@ -475,6 +476,14 @@ class GPUModelRunner:
         compiled = get_backend(self.model_config).compile(GrammarSpec.of(params.structured_outputs))
         return GrammarState(compiled)
 
+    def _grammar_batch(self) -> GrammarBatch:
+        """What advances and fills the grammars of a step together (made with the first use)."""
+        if self._grammar_batcher is None:
+            from pagoda.structured_output.state import GrammarBatch
+
+            self._grammar_batcher = GrammarBatch()
+        return self._grammar_batcher
+
     def _write_new_token_ids(self, state: CachedRequestState, token_ids: list[int]) -> None:
         """Tokens sampled since the request last ran, sent under pipeline parallelism (only the
         last stage samples); they start at its first uncomputed output position. The last
@@ -758,6 +767,8 @@ class GPUModelRunner:
     def _record_sampled_tokens(self, output: AsyncGPUModelRunnerOutput, sampled: np.ndarray) -> None:
         """Put a resolved step's ids where its placeholders are, wherever its requests now live."""
         batch = self.input_batch
+        grammars: list[GrammarState] = []
+        grammar_tokens: list[int] = []
         for row, position, token_id in zip(
             output.sample_rows.tolist(), output.positions.tolist(), sampled.tolist(), strict=True
         ):
@@ -769,10 +780,13 @@ class GPUModelRunner:
             if index < len(state.output_token_ids):
                 state.output_token_ids[index] = token_id
             if state.grammar is not None and index == len(state.grammar.accepted):
-                state.grammar.accept([token_id])
+                grammars.append(state.grammar)
+                grammar_tokens.append(token_id)
             now = batch.get_req_index(req_id)
             if now is not None and position < batch.num_tokens[now]:
                 batch.token_ids_cpu[now, position] = token_id
+        if grammars:
+            self._grammar_batch().accept(grammars, grammar_tokens)
 
     def _resolve_pending_output(self) -> None:
         """Wait for the previous step's ids, for work that needs the host's token history."""
@@ -807,8 +821,7 @@ class GPUModelRunner:
         # The pinned rows are rewritten only after this step's sampling read them: the next fill
         # first waits for this step's sampled ids, which come after the sampler on the stream.
         bitmask = self._grammar_bitmask
-        for slot, (_, grammar) in enumerate(constrained):
-            grammar.fill_bitmask(bitmask, slot)
+        self._grammar_batch().fill_bitmask([grammar for _, grammar in constrained], bitmask)
         rows = torch.tensor([index for index, _ in constrained], dtype=torch.int64)
         metadata.grammar_bitmask = TokenBitmask(
             rows=rows.to(self.device, non_blocking=True),

@@ -12,6 +12,8 @@ import typing
 from collections.abc import Callable
 
 import pytest
+
+pytest.importorskip("openai", reason="the test extra: the SDK's request types are the field list")
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from server_utils import MODEL, RemoteServer, assert_error

@@ -6,14 +6,15 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import gguf
 import pytest
 
-from pagoda.config import ConfigError
-from pagoda.entrypoints.openai.protocol import CompletionRequest
-from pagoda.entrypoints.openai.serving_base import OpenAIServing
-from pagoda.model.loader import default_model_path, load_sampling_defaults
-from pagoda.model.loader.gguf_loader import read_gguf_sampling_defaults
+gguf = pytest.importorskip("gguf")  # writes the test files (GPU images lack it, and the server stack)
+
+from pagoda.config import ConfigError  # noqa: E402
+from pagoda.entrypoints.openai.protocol import CompletionRequest  # noqa: E402
+from pagoda.entrypoints.openai.serving_base import OpenAIServing  # noqa: E402
+from pagoda.model.loader import default_model_path, load_sampling_defaults  # noqa: E402
+from pagoda.model.loader.gguf_loader import read_gguf_sampling_defaults  # noqa: E402
 
 
 def _model_dir(path, **generation_config) -> str:

@@ -9,7 +9,7 @@ from structured_output.conftest import EOS_ID, VOCAB
 
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.structured_output.spec import GrammarSpec
-from pagoda.structured_output.state import GrammarState, allocate_bitmask
+from pagoda.structured_output.state import GrammarBatch, GrammarState, allocate_bitmask
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
@@ -51,3 +51,28 @@ def test_rollback_and_sync_to_another_history(backend) -> None:
     assert state.accepted == [ord("a")] and allowed(state) == {ord("b"), ord("c")}
     state.sync(list(b"acd"))
     assert state.accepted == list(b"acd") and allowed(state) == {EOS_ID}
+
+
+def test_a_batch_advances_and_fills_as_each_state_alone(backend) -> None:
+    """GrammarBatch (one xgrammar call per step) against the states advanced and filled one by one;
+    a refused token fails only its own state, and inactive states are left alone."""
+    specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(choice=["yes", "no"])] * 3
+    alone, batched = ([state_of(backend, spec) for spec in specs] for _ in range(2))
+    batch = GrammarBatch()
+    histories = [b'{"n', b"y", b'{"n": 1', b"no", b"x", b"n"]  # "x" is outside its choice
+    for step in range(max(map(len, histories))):
+        moving = [i for i, history in enumerate(histories) if step < len(history)]
+        tokens = [histories[i][step] for i in moving]
+        for i, token in zip(moving, tokens, strict=True):
+            alone[i].accept([token])
+        batch.accept([batched[i] for i in moving], tokens)
+        assert [s.accepted for s in batched] == [s.accepted for s in alone]
+        assert [s.failed for s in batched] == [s.failed for s in alone]
+    assert batched[4].failed and not any(s.failed for i, s in enumerate(batched) if i != 4)
+    active = [s for s in batched if s.active]
+    bitmask = allocate_bitmask(len(active), VOCAB, pin_memory=False)
+    batch.fill_bitmask(active, bitmask)
+    expected = [allowed(s) for s in active]
+    for row, want in enumerate(expected):
+        bits = (bitmask[row, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        assert set(torch.nonzero(bits.flatten()[:VOCAB]).flatten().tolist()) == want
