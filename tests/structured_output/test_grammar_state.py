@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from structured_output.conftest import EOS_ID, VOCAB
 
@@ -53,12 +54,14 @@ def test_rollback_and_sync_to_another_history(backend) -> None:
     assert state.accepted == list(b"acd") and allowed(state) == {EOS_ID}
 
 
-def test_a_batch_advances_and_fills_as_each_state_alone(backend) -> None:
-    """GrammarBatch (one xgrammar call per step) against the states advanced and filled one by one;
-    a refused token fails only its own state, and inactive states are left alone."""
+@pytest.mark.parametrize("num_threads", [1, 3], ids=["one-thread", "three-threads"])
+def test_a_batch_advances_and_fills_as_each_state_alone(backend, num_threads: int) -> None:
+    """GrammarBatch (batch calls, rows split over threads) against the states advanced and filled
+    one by one; a refused token fails only its own state, and inactive states are left alone."""
     specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(choice=["yes", "no"])] * 3
     alone, batched = ([state_of(backend, spec) for spec in specs] for _ in range(2))
-    batch = GrammarBatch()
+    batch = GrammarBatch(num_threads)
+    batch.MIN_ROWS_PER_THREAD = 2  # three spans of the six rows with three threads
     histories = [b'{"n', b"y", b'{"n": 1', b"no", b"x", b"n"]  # "x" is outside its choice
     for step in range(max(map(len, histories))):
         moving = [i for i, history in enumerate(histories) if step < len(history)]
@@ -72,7 +75,6 @@ def test_a_batch_advances_and_fills_as_each_state_alone(backend) -> None:
     active = [s for s in batched if s.active]
     bitmask = allocate_bitmask(len(active), VOCAB, pin_memory=False)
     batch.fill_bitmask(active, bitmask)
-    expected = [allowed(s) for s in active]
-    for row, want in enumerate(expected):
+    for row, state in enumerate(active):
         bits = (bitmask[row, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-        assert set(torch.nonzero(bits.flatten()[:VOCAB]).flatten().tolist()) == want
+        assert set(torch.nonzero(bits.flatten()[:VOCAB]).flatten().tolist()) == allowed(state)
