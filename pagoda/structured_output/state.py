@@ -95,7 +95,7 @@ class GrammarBatch:
     MIN_ROWS_PER_THREAD = 16
 
     def __init__(self, num_threads: int | None = None) -> None:
-        self._num_threads = num_threads or min(8, len(os.sched_getaffinity(0)))
+        self._num_threads = num_threads or min(8, _usable_cpus())
         # One single-threaded batch matcher per span: no two threads share one.
         self._batches = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(self._num_threads)]
         self._pool = ThreadPoolExecutor(self._num_threads - 1) if self._num_threads > 1 else None
@@ -131,6 +131,13 @@ class GrammarBatch:
             batch.batch_fill_next_token_bitmask(matchers[lo:hi], bitmask, list(range(lo, hi)))
 
         self._run(fill, len(matchers))
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int, pin_memory: bool) -> torch.Tensor:
