@@ -74,13 +74,13 @@ def chat_answer(client: openai.OpenAI) -> str:
     return response.choices[0].message.content
 
 
-def litellm_completion(server: RemoteServer, **kwargs):
+def litellm_completion(server: RemoteServer, max_tokens: int = MAX_TOKENS, **kwargs):
     return litellm.completion(
         model=f"openai/{MODEL}",
         api_base=server.url + "/v1",
         api_key=API_KEY,
         messages=QUESTION,
-        max_tokens=MAX_TOKENS,
+        max_tokens=max_tokens,
         temperature=0,
         num_retries=0,
         timeout=HTTP_TIMEOUT_S,
@@ -305,17 +305,8 @@ def test_litellm_tool_calls(server: RemoteServer) -> None:
             },
         },
     }
-    response = litellm.completion(
-        model=f"openai/{MODEL}",
-        api_base=server.url + "/v1",
-        api_key=API_KEY,
-        messages=QUESTION,
-        max_tokens=TOOL_TOKENS,
-        temperature=0,
-        num_retries=0,
-        timeout=HTTP_TIMEOUT_S,
-        tools=[tool],
-        tool_choice={"type": "function", "function": {"name": "capital"}},
+    response = litellm_completion(
+        server, TOOL_TOKENS, tools=[tool], tool_choice={"type": "function", "function": {"name": "capital"}}
     )
     (call,) = response.choices[0].message.tool_calls
     assert call.function.name == "capital"
