@@ -4,9 +4,10 @@ chat template and sampled by one engine request; answered as a response object o
 Responses event stream, and kept in the store for `previous_response_id` unless `store` is
 false. `GET` / `DELETE /v1/responses/{id}` read and drop stored ones.
 
-OpenAI fields for what the server lacks (tools, structured output, background responses,
+`text.format` (json_schema, json_object) constrains the answer as `response_format` does on
+chat (structured.py). OpenAI fields for what the server lacks (tools, background responses,
 conversation objects, prompt templates, ...) are refused with a 400 naming the field unless
-their value asks for nothing (`tools: []`, `text.format: {"type": "text"}`, ...)."""
+their value asks for nothing (`tools: []`, `tool_choice: "auto"`, ...)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from pagoda.entrypoints.openai.serving_base import (
 )
 from pagoda.entrypoints.openai.serving_chat import render_messages
 from pagoda.entrypoints.openai.streaming import ChoiceTracker
+from pagoda.entrypoints.openai.structured import text_format_constraint
 from pagoda.outputs import RequestOutput
 
 TOOLS_LATER = "tools are not supported on /v1/responses yet (they are on /v1/chat/completions)"
@@ -57,12 +59,6 @@ RESPONSES_FIELD_RULES = (
         "tool_choice",
         lambda body: body.tool_choice in (None, "none", "auto"),
         f"{TOOLS_LATER}: tool_choice may only be 'none' or 'auto'",
-    ),
-    FieldRule(
-        "text.format",
-        lambda body: body.text is None or body.text.format in (None, {"type": "text"}),
-        "text.format json_schema (or json_object) is not supported yet on /v1/responses "
-        "(response_format is, on /v1/chat/completions): only {'type': 'text'} is accepted",
     ),
     FieldRule("include", lambda body: not body.include, "include is not supported: responses carry no extra data"),
     FieldRule("top_logprobs", lambda body: not body.top_logprobs, "top_logprobs is not supported by /v1/responses yet"),
@@ -99,8 +95,11 @@ class OpenAIServingResponses(OpenAIServing):
         conversation = self.history(body.previous_response_id) + body.turns()
         chat = chat_request(body, conversation)
         prompt = await render_messages(self.engine, chat, trust_request_chat_template=False)
-        params = self.sampling_params(chat, body.max_output_tokens)
-        engine_id, request_ids = await self.start([prompt], params, "resp", body)
+        constraint = text_format_constraint(body.text.format if body.text is not None else None)
+        names = constraint.param_names() if constraint is not None else None
+        structured = constraint.params if constraint is not None else None
+        params = self.sampling_params(chat, body.max_output_tokens, names, structured_outputs=structured)
+        engine_id, request_ids = await self.start([prompt], params, "resp", body, names)
         outputs = self.outputs(request_ids)
         draft = Draft(
             body,

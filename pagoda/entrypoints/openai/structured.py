@@ -1,7 +1,7 @@
 """Request fields that constrain the output, as the engine's StructuredOutputsParams: OpenAI's
 `response_format` (json_schema, json_object; text asks for nothing), vLLM's `guided_json`,
-`guided_regex`, `guided_choice`, `guided_grammar` and its newer `structured_outputs` object.
-One constraint per request: two are a 400 naming both fields.
+`guided_regex`, `guided_choice`, `guided_grammar` and its newer `structured_outputs` object;
+the Responses API's `text.format`. One constraint per request: two are a 400 naming both fields.
 
 Sizes are bounded here, before anything compiles (a schema's characters and nesting, a
 choice's count and length, a pattern's or grammar's length), and a schema's shape is checked
@@ -97,6 +97,25 @@ def _constraints(body: ConstraintFields) -> list[Constraint | None]:
         else:
             found.append(_text_constraint(key, keys[key], field))
     return found
+
+
+def text_format_constraint(text_format: dict[str, Any] | None) -> Constraint | None:
+    """The Responses API's `text.format`: {"type": "json_schema", "name", "schema", "strict"}
+    (the schema sits in the format itself, not under `json_schema`) or {"type": "json_object"};
+    {"type": "text"} asks for nothing."""
+    kind = None if text_format is None else text_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return json_object("text.format")
+    if kind != "json_schema":
+        raise OpenAIError(
+            400, f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", "text.format.type"
+        )
+    assert text_format is not None
+    if "schema" not in text_format:
+        raise OpenAIError(400, "text.format.schema is required with type 'json_schema'", "text.format.schema")
+    return json_constraint(text_format["schema"], "text.format.schema")
 
 
 def json_object(field: str) -> Constraint:
