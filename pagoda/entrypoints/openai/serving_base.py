@@ -22,6 +22,7 @@ from pagoda.engine.token_bytes import TextOffsets, TokenBytes
 from pagoda.entrypoints.openai.errors import OpenAIError, invalid_request
 from pagoda.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from pagoda.entrypoints.openai.streaming import SSEResponse, cancel_on_disconnect, merge_outputs, sse_events
+from pagoda.entrypoints.openai.structured import Constraint
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -120,20 +121,27 @@ class OpenAIServing:
             )
 
     def sampling_params(
-        self, body: SamplingFields, max_tokens: int | None, param_names: dict[str, str] | None = None, **fields: Any
+        self, body: SamplingFields, max_tokens: int | None, constraint: Constraint | None = None, **fields: Any
     ) -> SamplingParams:
         """SamplingParams from the fields the client set; an unset one takes the model's default
         (its generation_config, see ModelConfig.default_sampling), else SamplingParams'.
-        `max_tokens` None means until the end of the text or of the context. `param_names`
-        add this request's own field names for errors (a constraint's, see structured.py)."""
+        `max_tokens` None means until the end of the text or of the context. `constraint` (the
+        request's structured output, see structured.py) becomes `structured_outputs`, and errors
+        about it name the field the client sent."""
         kwargs = dict(self.engine.config.model_config.default_sampling)
         kwargs.update({name: getattr(body, name) for name in SHARED_SAMPLING_FIELDS if getattr(body, name) is not None})
         kwargs.update({name: value for name, value in fields.items() if value is not None})
         kwargs["max_tokens"] = max_tokens
+        if constraint is not None:
+            kwargs["structured_outputs"] = constraint.params
         try:
             return SamplingParams(**kwargs)
         except InvalidRequestError as error:
-            raise invalid_request(error, {**self.param_names, **(param_names or {})}) from error
+            raise invalid_request(error, self._param_names(constraint)) from error
+
+    def _param_names(self, constraint: Constraint | None) -> dict[str, str]:
+        """The engine's field names -> the request's, for this route and the request's constraint."""
+        return {**self.param_names, **(constraint.param_names() if constraint is not None else {})}
 
     async def start(
         self,
@@ -141,11 +149,11 @@ class OpenAIServing:
         params: SamplingParams,
         id_prefix: str,
         body: SamplingFields | None = None,
-        param_names: dict[str, str] | None = None,
+        constraint: Constraint | None = None,
     ) -> tuple[str, list[str]]:
         """Queue one engine request per prompt (all or none); returns the response's id and the
         requests' ids (the response's id and the prompt's position). `body` gives the cache salt
-        and the client's tags to log; `param_names` as for sampling_params (the engine refuses a
+        and the client's tags to log; `constraint` as for sampling_params (the engine refuses a
         constraint that does not compile here)."""
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         cache_salt = None
@@ -158,7 +166,7 @@ class OpenAIServing:
                 [(p, params, rid) for p, rid in zip(prompts, request_ids, strict=True)], cache_salt=cache_salt
             )
         except InvalidRequestError as error:
-            raise invalid_request(error, {**self.param_names, **(param_names or {})}) from error
+            raise invalid_request(error, self._param_names(constraint)) from error
         return response_id, request_ids
 
     def outputs(self, request_ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:

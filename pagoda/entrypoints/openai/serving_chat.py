@@ -125,16 +125,14 @@ class OpenAIServingChat(OpenAIServing):
         )
         parsers = self.message_parsers(plan, tool_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        names = constraint.param_names() if constraint is not None else None
         params = self.sampling_params(
             body,
             max_tokens,
-            names,
+            constraint,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            structured_outputs=constraint.params if constraint is not None else None,
             skip_special_tokens=body.skip_special_tokens if parsers is None else parsers.skip_special_tokens(body),
         )
-        response_id, request_ids = await self.start([prompt], params, "chatcmpl", body, names)
+        response_id, request_ids = await self.start([prompt], params, "chatcmpl", body, constraint)
         outputs = self.outputs(request_ids)
         stops = list(params.stop)
         return await self.respond(

@@ -52,16 +52,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.echo and body.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = body.logprobs
         constraint = request_constraint(body)
-        names = constraint.param_names() if constraint is not None else None
         params = self.sampling_params(
-            body,
-            body.max_tokens,
-            names,
-            logprobs=body.logprobs,
-            prompt_logprobs=prompt_logprobs,
-            structured_outputs=constraint.params if constraint is not None else None,
+            body, body.max_tokens, constraint, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
         )
-        response_id, request_ids = await self.start(prompt_list(body.prompt), params, "cmpl", body, names)
+        response_id, request_ids = await self.start(prompt_list(body.prompt), params, "cmpl", body, constraint)
         outputs = self.outputs(request_ids)
         stops = list(params.stop)
         return await self.respond(

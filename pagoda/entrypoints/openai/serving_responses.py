@@ -96,10 +96,8 @@ class OpenAIServingResponses(OpenAIServing):
         chat = chat_request(body, conversation)
         prompt = await render_messages(self.engine, chat, trust_request_chat_template=False)
         constraint = text_format_constraint(body.text.format if body.text is not None else None)
-        names = constraint.param_names() if constraint is not None else None
-        structured = constraint.params if constraint is not None else None
-        params = self.sampling_params(chat, body.max_output_tokens, names, structured_outputs=structured)
-        engine_id, request_ids = await self.start([prompt], params, "resp", body, names)
+        params = self.sampling_params(chat, body.max_output_tokens, constraint)
+        engine_id, request_ids = await self.start([prompt], params, "resp", body, constraint)
         outputs = self.outputs(request_ids)
         draft = Draft(
             body,
