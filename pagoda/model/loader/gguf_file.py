@@ -25,21 +25,8 @@ _MAGIC = b"GGUF"
 _SUPPORTED_VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
-# GGUF metadata value type -> struct format of one little-endian scalar.
+# GGUF metadata value type -> struct format of one little-endian scalar (also a numpy type code).
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_NUMPY_TYPES = {
-    0: "<u1",
-    1: "<i1",
-    2: "<u2",
-    3: "<i2",
-    4: "<u4",
-    5: "<i4",
-    6: "<f4",
-    7: "?",
-    10: "<u8",
-    11: "<i8",
-    12: "<f8",
-}
 
 
 @dataclass(frozen=True)
@@ -100,8 +87,9 @@ class _Cursor:
             item_type, count = self.unpack("IQ")
             if item_type == _STRING:
                 return [self.string() for _ in range(count)]
-            if item_type in _NUMPY_TYPES:
-                array = np.frombuffer(self.buffer, dtype=_NUMPY_TYPES[item_type], count=count, offset=self.pos)
+            if item_type in _SCALAR_FORMATS:
+                dtype = np.dtype("<" + _SCALAR_FORMATS[item_type])
+                array = np.frombuffer(self.buffer, dtype=dtype, count=count, offset=self.pos)
                 self.pos += array.nbytes
                 return array.tolist()
             return [self.value(item_type) for _ in range(count)]  # nested arrays

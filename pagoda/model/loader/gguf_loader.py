@@ -135,9 +135,8 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
-def _tensor_bytes(data: np.memmap, tensor: GGUFTensorInfo) -> np.ndarray:
+def _tensor_bytes(data: np.memmap, tensor: GGUFTensorInfo, ggml_type: gguf.GGMLQuantizationType) -> np.ndarray:
     """The tensor's bytes, one row per innermost row (the layout `gguf.quants.dequantize` takes)."""
-    ggml_type = gguf.GGMLQuantizationType(tensor.ggml_type)
     block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
     num_bytes = math.prod(tensor.shape) * type_size // block_size
     if tensor.offset + num_bytes > len(data):
@@ -155,7 +154,8 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[
         heads_of_permuted = {"attn_q": hf_config.num_attention_heads, "attn_k": num_kv_heads}
     data = np.memmap(file.path, mode="r")
     for tensor in file.tensors:
-        array = gguf.quants.dequantize(_tensor_bytes(data, tensor), gguf.GGMLQuantizationType(tensor.ggml_type))
+        ggml_type = gguf.GGMLQuantizationType(tensor.ggml_type)
+        array = gguf.quants.dequantize(_tensor_bytes(data, tensor, ggml_type), ggml_type)
         if not array.flags.writeable:
             array = np.array(array)
         weight = torch.from_numpy(array).reshape(list(reversed(tensor.shape)))
