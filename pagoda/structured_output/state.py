@@ -79,10 +79,6 @@ class GrammarState:
         self.rollback(len(self.accepted) - common)
         self.accept(token_ids[common:])
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i of word w: token 32w + i)."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
-
 
 class GrammarBatch:
     """Advances and fills a step's grammar states together, split over threads.
@@ -124,7 +120,7 @@ class GrammarBatch:
             state._record(token_id, accepted)
 
     def fill_bitmask(self, states: list[GrammarState], bitmask: torch.Tensor) -> None:
-        """Write state i's allowed next tokens into `bitmask[i]`."""
+        """Write state i's allowed next tokens into `bitmask[i]` (int32 words, bit b of word w: token 32w + b)."""
         matchers = [state._matcher for state in states]
 
         def fill(batch: xgr.BatchGrammarMatcher, lo: int, hi: int) -> None:
@@ -141,5 +137,5 @@ def _usable_cpus() -> int:
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int, pin_memory: bool) -> torch.Tensor:
-    """A host bitmask of `num_rows` rows (int32 words) for `GrammarState.fill_bitmask`."""
+    """A host bitmask of `num_rows` rows (int32 words) for `GrammarBatch.fill_bitmask`."""
     return torch.zeros((num_rows, -(vocab_size // -32)), dtype=torch.int32, pin_memory=pin_memory)

@@ -19,11 +19,16 @@ def state_of(backend, params: StructuredOutputsParams) -> GrammarState:
     return GrammarState(backend.compile(GrammarSpec.of(params)))
 
 
+def tokens_of(words: torch.Tensor) -> set[int]:
+    """The tokens one bitmask row allows."""
+    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return set(torch.nonzero(bits.flatten()[:VOCAB]).flatten().tolist())
+
+
 def allowed(state: GrammarState) -> set[int]:
     bitmask = allocate_bitmask(1, VOCAB, pin_memory=False)
-    state.fill_bitmask(bitmask, 0)
-    bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-    return set(torch.nonzero(bits.flatten()[:VOCAB]).flatten().tolist())
+    GrammarBatch(num_threads=1).fill_bitmask([state], bitmask)
+    return tokens_of(bitmask[0])
 
 
 def test_a_json_document_then_eos_terminates(backend) -> None:
@@ -76,5 +81,4 @@ def test_a_batch_advances_and_fills_as_each_state_alone(backend, num_threads: in
     bitmask = allocate_bitmask(len(active), VOCAB, pin_memory=False)
     batch.fill_bitmask(active, bitmask)
     for row, state in enumerate(active):
-        bits = (bitmask[row, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-        assert set(torch.nonzero(bits.flatten()[:VOCAB]).flatten().tolist()) == allowed(state)
+        assert tokens_of(bitmask[row]) == allowed(state)
