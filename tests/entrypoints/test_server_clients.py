@@ -54,8 +54,8 @@ def client(server: RemoteServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def chat_model(server: RemoteServer) -> langchain_openai.ChatOpenAI:
+def langchain_model(server: RemoteServer, **settings) -> langchain_openai.ChatOpenAI:
+    """LangChain's ChatOpenAI pointed at the server, greedy, with `settings` on top."""
     return langchain_openai.ChatOpenAI(
         model=MODEL,
         base_url=server.url + "/v1",
@@ -63,8 +63,13 @@ def chat_model(server: RemoteServer) -> langchain_openai.ChatOpenAI:
         temperature=0,
         max_tokens=MAX_TOKENS,
         max_retries=0,
-        include_response_headers=True,
+        **settings,
     )
+
+
+@pytest.fixture(scope="module")
+def chat_model(server: RemoteServer) -> langchain_openai.ChatOpenAI:
+    return langchain_model(server, include_response_headers=True)
 
 
 @pytest.fixture(scope="module")
@@ -234,15 +239,7 @@ def test_langchain_multi_turn_conversation(chat_model) -> None:
 
 
 def test_langchain_responses_api(server: RemoteServer, chat_answer: str) -> None:
-    model = langchain_openai.ChatOpenAI(
-        model=MODEL,
-        base_url=server.url + "/v1",
-        api_key=API_KEY,
-        temperature=0,
-        max_tokens=MAX_TOKENS,
-        max_retries=0,
-        use_responses_api=True,
-    )
+    model = langchain_model(server, use_responses_api=True)
     assert model.invoke(FRANCE).text == chat_answer
     assert "".join(chunk.text for chunk in model.stream(FRANCE)) == chat_answer
 
