@@ -1,8 +1,36 @@
-"""Pagoda: a fast LLM inference engine."""
+"""Pagoda: a fast LLM inference engine.
 
-from pagoda.entrypoints.llm import LLM
-from pagoda.outputs import CompletionOutput, RequestOutput
-from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+The public names load on first use (PEP 562): `import pagoda` alone, as the CLI does before it
+has read its arguments, costs no torch import, so `pagoda serve` can start its engine core
+process first and build the rest while the core loads the model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagoda.entrypoints.llm import LLM
+    from pagoda.outputs import CompletionOutput, RequestOutput
+    from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
+
+# Where each public name lives.
+_MODULES = {
+    "LLM": "pagoda.entrypoints.llm",
+    "CompletionOutput": "pagoda.outputs",
+    "RequestOutput": "pagoda.outputs",
+    "SamplingParams": "pagoda.sampling_params",
+    "StructuredOutputsParams": "pagoda.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULES:
+        raise AttributeError(f"module 'pagoda' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULES[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

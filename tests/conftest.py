@@ -24,7 +24,8 @@ if not torch.cuda.is_available():
 from engine_utils import check_engine_idle
 
 from pagoda.distributed.parallel_state import init_parallel_state
-from pagoda.engine.llm_engine import DEBUG_CHECK_IDLE_ENV, LLMEngine
+from pagoda.engine.debug import DEBUG_CHECK_IDLE_ENV
+from pagoda.engine.llm_engine import LLMEngine
 
 os.environ.setdefault(DEBUG_CHECK_IDLE_ENV, "1")
 

@@ -147,5 +147,5 @@ class RemoteServer:
                     return
             except httpx.TransportError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise TimeoutError(f"the server did not become healthy within {STARTUP_TIMEOUT_S} s")

@@ -85,14 +85,20 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(
-        self, config: EngineConfig, metrics: ServerMetrics | None = None, stall_timeout_s: float | None = None
+        self,
+        config: EngineConfig,
+        metrics: ServerMetrics | None = None,
+        stall_timeout_s: float | None = None,
+        client: EngineCoreClient | None = None,
     ) -> None:
+        """`client`: a core already started for this config (see EngineCoreClient); by default
+        one is started here. Either way this engine owns it and shuts it down."""
         self.config = config
         if stall_timeout_s is None:
             stall_timeout_s = float(os.environ.get(STALL_TIMEOUT_ENV, DEFAULT_STALL_TIMEOUT_S))
         self.stall_timeout_s = stall_timeout_s
         self.metrics = metrics if metrics is not None else ServerMetrics()
-        self.client = EngineCoreClient(config)
+        self.client = client if client is not None else EngineCoreClient(config)
         try:
             # The tokenizer loads here while the core process builds the model.
             self.engine = LLMEngine(config, engine_core=self.client)

@@ -9,6 +9,11 @@ Utility calls (`sleep`, `wake_up`, `is_sleeping`, `update_weights`) run in the c
 steps; the synchronous methods block until the answer (reading reports meanwhile, so no output
 is lost) and raise what the core raised. An asyncio caller sends with `send_utility()` and
 finds the answer in `utility_results` once its output loop has read it.
+
+Given `create_engine_config`'s keyword arguments instead of a config, the core builds the
+config itself: a caller can start the core first and build its own copy (the same arguments
+give the same config) while the core imports the engine and loads the model, as `pagoda serve`
+does.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import pickle
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import zmq
@@ -42,7 +48,7 @@ DEFAULT_UTILITY_TIMEOUT_S = 600.0
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 900.0) -> None:
+    def __init__(self, config: EngineConfig | Mapping[str, Any], startup_timeout_s: float = 900.0) -> None:
         # Mode 0700: only this user reaches the sockets. The core removes it too when it ends.
         self.ipc_dir = tempfile.mkdtemp(prefix="pagoda-core-")
         self._context = zmq.Context()
@@ -52,7 +58,7 @@ class EngineCoreClient:
         self._async_reports: zmq.asyncio.Socket | None = None
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(config, self.ipc_dir, os.getpid()),
+            args=(config if isinstance(config, EngineConfig) else dict(config), self.ipc_dir, os.getpid()),
             name="pagoda-engine-core",
             daemon=True,  # also ended by multiprocessing's exit handler if shutdown() is never called
         )
@@ -166,7 +172,9 @@ class EngineCoreClient:
         if self._closed:
             return
         self._closed = True
-        if self.process.is_alive():
+        # A core still starting reads no command until its model is loaded: only a ready one
+        # is asked; one still starting, or still alive after the ask, gets SIGTERM.
+        if self.process.is_alive() and self.num_kv_blocks is not None:
             with contextlib.suppress(zmq.Again):
                 send(self._commands, CoreCommand(CommandKind.SHUTDOWN), zmq.NOBLOCK)
             self.process.join(10)

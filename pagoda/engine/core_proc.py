@@ -28,16 +28,19 @@ import shutil
 import signal
 import time
 import traceback
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from pagoda.config import EngineConfig
-from pagoda.engine.core import EngineCore
+from pagoda.config import ConfigError, EngineConfig
 from pagoda.engine.core_messages import CommandKind, CoreCommand, CoreFailed, CoreReady, CoreReport, UtilityResult
+from pagoda.engine.debug import debug_check_idle_enabled
 from pagoda.engine.errors import EngineSleepingError
-from pagoda.engine.llm_engine import debug_check_idle_enabled
 from pagoda.outputs import EngineCoreOutput, FinishReason
+
+if TYPE_CHECKING:
+    from pagoda.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +204,7 @@ def inject_test_fault(core: EngineCore, fault: str, parent_pid: int) -> None:
     core.executor.execute_model = faulty_execute_model
 
 
-def run_engine_core(config: EngineConfig, ipc_dir: str, parent_pid: int) -> None:
+def run_engine_core(config: EngineConfig | Mapping[str, Any], ipc_dir: str, parent_pid: int) -> None:
     """The core process's entry point (spawned by `EngineCoreClient`): serve, then remove the
     pipes' directory however serving ended, since a parent killed outright cannot."""
     # Ctrl-C in a terminal reaches the whole process group; the server decides when this ends.
@@ -218,8 +221,14 @@ def exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # the shell's convention for "ended by signal signum"
 
 
-def serve_engine_core(config: EngineConfig, ipc_dir: str, parent_pid: int) -> None:
-    """Build the core, report ready, run the loop; a failure is reported as CoreFailed and exits 1."""
+def serve_engine_core(config: EngineConfig | Mapping[str, Any], ipc_dir: str, parent_pid: int) -> None:
+    """Build the core (and first its config, when given `create_engine_config`'s keyword
+    arguments), report ready, run the loop; a failure is reported as CoreFailed and exits 1."""
+    # The engine is imported here, in the core process only: the client imports this module
+    # for its sockets and this entry point, and starts the core before it imports the engine.
+    from pagoda.engine.arg_utils import create_engine_config
+    from pagoda.engine.core import EngineCore
+
     commands_address, reports_address = ipc_addresses(ipc_dir)
     context = zmq.Context()
     commands = open_socket(context, zmq.PULL, commands_address, bind=False)
@@ -227,11 +236,15 @@ def serve_engine_core(config: EngineConfig, ipc_dir: str, parent_pid: int) -> No
     reports = open_socket(context, zmq.PUSH, reports_address, bind=False, linger_ms=5000)
     core = None
     try:
-        core = EngineCore(config)
+        core = EngineCore(config if isinstance(config, EngineConfig) else create_engine_config(**config))
         if os.environ.get(TEST_FAULT_ENV):
             inject_test_fault(core, os.environ[TEST_FAULT_ENV], parent_pid)
         send(reports, CoreReady(num_kv_blocks=core.scheduler.kv_cache_manager.block_pool.num_usable_blocks))
         EngineCoreLoop(core, commands, reports, parent_pid).run()
+    except ConfigError as error:  # a bad argument, not a bug: the client's own config says the same
+        logger.error("engine core: %s", error)
+        send(reports, CoreFailed(str(error)))
+        raise SystemExit(1) from None
     except Exception:
         logger.exception("engine core failed")
         send(reports, CoreFailed(traceback.format_exc()))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 from collections.abc import Iterable
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.core_request import EngineCoreRequest
+from pagoda.engine.debug import debug_check_idle_enabled
 from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.parallel_sampling import ParentRequest
@@ -30,12 +30,6 @@ from pagoda.outputs import RequestOutput, RequestStatus
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-DEBUG_CHECK_IDLE_ENV = "PAGODA_DEBUG_CHECK_IDLE"
-
-
-def debug_check_idle_enabled() -> bool:
-    return os.environ.get(DEBUG_CHECK_IDLE_ENV, "") not in ("", "0")
 
 
 class LLMEngine:

@@ -174,6 +174,11 @@ class Worker:
         model and the runner sit in reference cycles (a parameter's weight_loader is a bound
         method of its module; a step's async output holds one of the runner's), which only the
         cyclic collector frees."""
+        if self.device_config.is_cuda and self.device is not None:
+            # A step may still run (async scheduling queues one ahead). torch's allocator would
+            # order the reuse of its memory after it, but sleep mode's tagged memory (weights,
+            # KV cache) is unmapped the moment its last tensor goes.
+            torch.cuda.synchronize(self.device)
         self.model_runner = None
         self.memory_pool = None
         self._unresolved.clear()

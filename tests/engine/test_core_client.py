@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -32,19 +33,28 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 60)), [42] * 20]
 DEADLINE_S = 300
 
 
-def make_config(model: str) -> EngineConfig:
+def config_kwargs(model: str) -> dict[str, Any]:
     # 12 usable blocks of 8 tokens: a request of max_model_len (16 blocks) is refused, and the
     # tests' batches preempt each other, across the process boundary too.
-    return create_engine_config(
-        model=model, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks=13, block_size=8
-    )
+    return {
+        "model": model,
+        "device": "cpu",
+        "dtype": "float32",
+        "max_model_len": 128,
+        "num_gpu_blocks": 13,
+        "block_size": 8,
+    }
+
+
+def make_config(model: str) -> EngineConfig:
+    return create_engine_config(**config_kwargs(model))
 
 
 @pytest.fixture(scope="module")
 def remote(tiny_llama3: str):
-    config = make_config(tiny_llama3)
-    client = EngineCoreClient(config)
-    yield LLMEngine(config, engine_core=client)
+    """Started as `pagoda serve` starts it: the core builds its config from the arguments."""
+    client = EngineCoreClient(config_kwargs(tiny_llama3))
+    yield LLMEngine(make_config(tiny_llama3), engine_core=client)
     client.shutdown()
     assert not client.process.is_alive()
     assert not os.path.exists(client.ipc_dir)
@@ -68,7 +78,24 @@ def test_remote_core_generates_what_the_local_one_does(remote: LLMEngine, tiny_l
     outputs = run_to_end(remote, PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in local]
     assert all(len(o.outputs[0].token_ids) == 12 for o in outputs)
+    assert remote.engine_core.num_kv_blocks == 12  # the core's own config: the same pool
     remote.check_idle()
+
+
+def test_a_bad_argument_fails_the_core_with_its_message_alone(tiny_llama3: str) -> None:
+    client = EngineCoreClient({**config_kwargs(tiny_llama3), "max_model_len": 100_000})
+    with pytest.raises(EngineDeadError, match="max_model_len") as failure:
+        client.wait_until_ready()
+    assert "Traceback" not in str(failure.value)  # a ConfigError, not a crash
+    assert not client.process.is_alive()
+
+
+def test_a_core_still_starting_is_stopped_by_signal_not_asked(tiny_llama3: str) -> None:
+    """It reads no command before its model is loaded: a SHUTDOWN would wait for that."""
+    client = EngineCoreClient(config_kwargs(tiny_llama3))
+    client.shutdown()
+    assert client.process.exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM)
+    assert not os.path.exists(client.ipc_dir)
 
 
 def test_parallel_samples_and_aborts_end_idle(remote: LLMEngine) -> None:

@@ -54,7 +54,7 @@ class SoakSize:
     concurrency: int
 
 
-SOAK_CI = SoakSize(num_requests=200, min_tokens=4, max_tokens=8, concurrency=48)
+SOAK_CI = SoakSize(num_requests=120, min_tokens=4, max_tokens=8, concurrency=48)
 SOAK_FULL = SoakSize(num_requests=1000, min_tokens=8, max_tokens=32, concurrency=64)
 
 

@@ -33,7 +33,7 @@ MAX_MODEL_LEN = 64
 ENGINE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64")
 SEED = 20261129
 CI_EXAMPLES = 15  # per operation and mode in the OpenAPI fuzz: 2 modes x every operation
-CI_SAMPLING_EXAMPLES = 60
+CI_SAMPLING_EXAMPLES = 40
 FULL_EXAMPLES = 100
 FULL_SAMPLING_EXAMPLES = 800
 # Statuses whose error is about the request as a whole, not one of its fields (403: a feature the

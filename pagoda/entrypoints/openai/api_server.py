@@ -40,8 +40,8 @@ from pagoda import __version__
 from pagoda.config import EngineConfig
 from pagoda.engine.arg_utils import create_engine_config
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.engine.core_client import EngineDeadError
-from pagoda.entrypoints.openai.cli_args import ServerOptions, check_serve_args
+from pagoda.engine.core_client import EngineCoreClient, EngineDeadError
+from pagoda.entrypoints.openai.cli_args import ServerOptions
 from pagoda.entrypoints.openai.errors import (
     OpenAIError,
     engine_control_error,
@@ -294,18 +294,16 @@ def startup_banner(engine: AsyncLLM, name: str, host: str, port: int) -> str:
     )
 
 
-def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
-    """Check what needs no model (port, model path) first, then load it and serve."""
-    check_serve_args(args)
-    config = create_engine_config(
-        model=args.model,
-        max_num_queued_requests=args.max_num_queued_requests,
-        enable_sleep_mode=args.enable_sleep_mode,
-        **engine_kwargs,
-    )
-    engine = AsyncLLM(config)
+def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any], client: EngineCoreClient) -> int:
+    """Serve with the core `client` started from `engine_kwargs` (see `run_serve` in the CLI):
+    this process builds its own copy of the config and the tokenizer while the core loads."""
     try:
-        name = args.served_model_name or served_name(config)
+        engine = AsyncLLM(create_engine_config(**engine_kwargs), client=client)
+    except BaseException:
+        client.shutdown()
+        raise
+    try:
+        name = args.served_model_name or served_name(engine.config)
         app = build_app(engine, name, ServerOptions.from_args(args))
         logger.info(startup_banner(engine, name, args.host, args.port))
         server = DrainingServer(uvicorn_config(app, args), app)
