@@ -3,8 +3,10 @@ benchmarks and the numerical reference in tests."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
+from unittest import mock
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
@@ -15,12 +17,16 @@ def load_hf_from_gguf(path: str, dtype: torch.dtype = torch.float32) -> tuple[Pr
 
     Built with `from_config` + `load_gguf_checkpoint`, which is what `from_pretrained(gguf_file=...)`
     does, without the `accelerate` dependency that path requires."""
+    import gguf
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     model_dir, file_name = os.path.split(path)
     config = AutoConfig.from_pretrained(model_dir, gguf_file=file_name)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    # transformers builds gguf's tensor-name map once per module of the model (397 for
+    # SmolLM2: 7 of its 20 s); the map depends only on the architecture and layer count.
+    with mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if unexpected or not set(missing) <= {"lm_head.weight"}:
         raise RuntimeError(f"GGUF weights do not fit the model: missing {missing}, unexpected {unexpected}")
