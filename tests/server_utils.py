@@ -21,6 +21,22 @@ EXIT_TIMEOUT_S = 120
 API_KEY = "sk-test"  # the key the tests start a server with when they need one
 MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the name the default model is served under
 
+# Servers several test modules share for the whole session (`shared_server` in
+# tests/entrypoints/conftest.py): one start each instead of one per module.
+# Small limits, for the modules that drive requests to them (limits, sampling, validation):
+SMALL_CONTEXT, SMALL_MAX_NUM_SEQS, SMALL_MAX_QUEUED, SMALL_MAX_BODY = 64, 2, 4, 65536
+SMALL_SERVER = (
+    *("--max-model-len", str(SMALL_CONTEXT)),
+    *("--max-num-seqs", str(SMALL_MAX_NUM_SEQS), "--max-num-queued-requests", str(SMALL_MAX_QUEUED)),
+    *("--max-request-body-bytes", str(SMALL_MAX_BODY), "--trust-request-chat-template", "--enable-debug-routes"),
+)
+# The API behind a key, with a short context (api, security):
+KEYED_CONTEXT = 256
+KEYED_SERVER = ("--max-model-len", str(KEYED_CONTEXT), "--enable-debug-routes")
+# A context long enough for clients' chats and the Responses API (clients, responses):
+LONG_CONTEXT = 1024
+LONG_SERVER = ("--max-model-len", str(LONG_CONTEXT), "--enable-debug-routes")
+
 
 def assert_error(response: httpx.Response, status: int, param: str | None, *words: str) -> dict:
     """An OpenAI error body with `status`, naming `param` and containing each of `words`."""

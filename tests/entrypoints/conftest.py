@@ -6,6 +6,7 @@ the streaming plumbing the endpoints share, without a server."""
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -51,3 +52,25 @@ def start_server() -> Iterator[Callable[..., RemoteServer]]:
             return server
 
         yield start
+
+
+@pytest.fixture(scope="session")
+def shared_server() -> Iterator[Callable[..., RemoteServer]]:
+    """One `pagoda serve` per distinct (serve_args, api_key) for the whole session, stopped at
+    its end (exit code 0, or -SIGTERM when uvicorn re-raised it):
+
+        shared_server(*serve_args, api_key=None)
+
+    For modules whose tests leave the server as they found it: no fault, shutdown or sleep;
+    counters compared as differences, the engine idle after each test."""
+    servers: dict[tuple[tuple[str, ...], str | None], RemoteServer] = {}
+    with contextlib.ExitStack() as stops:
+
+        def get(*serve_args: str, api_key: str | None = None) -> RemoteServer:
+            key = (serve_args, api_key)
+            if key not in servers:
+                servers[key] = RemoteServer(*CPU_FLOAT32, *serve_args, api_key=api_key)
+                stops.callback(_stop, servers[key], (0, -signal.SIGTERM), False)
+            return servers[key]
+
+        yield get

