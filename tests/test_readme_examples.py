@@ -9,7 +9,6 @@ against that server). Port 8000 is replaced by the test server's.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import re
 import shlex
@@ -58,14 +57,12 @@ def test_every_kind_of_example_is_marked() -> None:
 
 
 def test_cli_examples() -> None:
-    """The commands run side by side (each loads the model: one after another took 28 s)."""
     lines = [shlex.split(line, comments=True) for line in readme_blocks()["cli"].splitlines()]
-    assert all(words[0] == "pagoda" for words in lines), lines
-    stdins = [CHAT_INPUT if words[1] == "chat" else None for words in lines]
-    with concurrent.futures.ThreadPoolExecutor(len(lines)) as pool:
-        answers = list(pool.map(lambda words, stdin: run(PAGODA + words[1:], stdin), lines, stdins))
-    for words, stdin, answer in zip(lines, stdins, answers, strict=True):
-        assert_sensible(answer, stdin or " ".join(words))
+    for words in lines:
+        assert words[0] == "pagoda", words
+        stdin = CHAT_INPUT if words[1] == "chat" else None
+        asked = stdin or " ".join(words)
+        assert_sensible(run(PAGODA + words[1:], stdin), asked)
 
 
 def test_python_example() -> None:
