@@ -95,6 +95,15 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
+def zeroed_bytes(size: int, device: torch.device) -> torch.Tensor:
+    """`size` zero bytes on `device`. On the CPU through calloc (NumPy's zeros), whose large
+    blocks are fresh pages the OS zeroes on first touch: a 1 GiB KV cache costs nothing until
+    blocks are used, where `torch.zeros` writes every page up front (about 0.5 s per GiB)."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.zeros(size, dtype=np.int8))
+    return torch.zeros(size, dtype=torch.int8, device=device)
+
+
 class GPUModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, memory_pool: TaggedMemoryPool | None = None) -> None:
         self.config = config
@@ -261,7 +270,7 @@ class GPUModelRunner:
             if memory_pool is not None:
                 raw = memory_pool.allocate("kv_cache", (tensor.size_bytes,), torch.int8)
             else:
-                raw = torch.zeros(tensor.size_bytes, dtype=torch.int8, device=self.device)
+                raw = zeroed_bytes(tensor.size_bytes, self.device)
             for name in tensor.shared_by:
                 spec = specs[name]
                 shape = self.attn_backend.get_kv_cache_shape(kv_cache_config.num_blocks, spec)
