@@ -40,15 +40,52 @@ class StructuredOutputsParams:
     `regex` a regular expression the whole output matches, `choice` one of these strings,
     `grammar` a context-free grammar in EBNF (GBNF). The output ends (finish reason "stop")
     when the grammar can take no more tokens. Validated for shape here; the engine compiles it
-    (and refuses one that does not compile, naming the field)."""
+    (and refuses one that does not compile, naming the field).
+
+    For a model that reasons before it answers, `reasoning_end_token_ids` (the end marker's
+    tokens, e.g. Qwen3's `</think>`) leaves the output free until it has written that exact
+    token sequence; the constraint applies from the next token on. With
+    `reasoning_start_token_ids` too (e.g. `<think>`, for a model that opens its reasoning
+    itself), the output reasons only if it opens with that marker: its first token is either a
+    token the grammar allows (the grammar rules from there) or the marker's first one (the rest
+    of the marker follows, then free reasoning until the end marker). The grammar comes first
+    where both take the first token. Leave both out when the prompt already closed the
+    reasoning (Qwen3 with enable_thinking false): the constraint applies from the first token."""
 
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning_end_token_ids: tuple[int, ...] | None = None
+    reasoning_start_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        self._validate_constraint()
+        for name in ("reasoning_end_token_ids", "reasoning_start_token_ids"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            field_name = f"structured_outputs.{name}"
+            if not isinstance(value, (list, tuple)) or not value or any(not _is_int(t) or t < 0 for t in value):
+                raise SamplingParamsError(
+                    field_name,
+                    f"{field_name} must be None or a non-empty list of non-negative token ids, got {value!r}",
+                )
+            object.__setattr__(self, name, tuple(value))  # frozen: normalized once, here
+        if self.reasoning_start_token_ids is not None and self.reasoning_end_token_ids is None:
+            raise SamplingParamsError(
+                "structured_outputs.reasoning_start_token_ids",
+                "structured_outputs.reasoning_start_token_ids needs reasoning_end_token_ids: "
+                "the constraint starts where the reasoning ends",
+            )
+
+    def reasoning_token_ids(self) -> dict[str, list[int]]:
+        """The reasoning markers that are set, by field name (for the engine's vocabulary check)."""
+        names = ("reasoning_end_token_ids", "reasoning_start_token_ids")
+        return {f"structured_outputs.{n}": list(getattr(self, n)) for n in names if getattr(self, n) is not None}
+
+    def _validate_constraint(self) -> None:
         kinds = self.kinds()
         if len(kinds) != 1:
             got = ", ".join(kinds) if kinds else "none"

@@ -133,6 +133,8 @@ class Processor:
                 "min_tokens",
                 "min_tokens cannot be combined with structured_outputs: the grammar, not a count, decides where the output ends",
             )
+        for field, token_ids in params.structured_outputs.reasoning_token_ids().items():
+            self._check_token_ids(field, token_ids)
         from pagoda.structured_output.backend import check  # xgrammar loads with the first grammar
 
         check(GrammarSpec.of(params.structured_outputs))

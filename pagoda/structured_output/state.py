@@ -3,7 +3,9 @@
 The model runner keeps one per constrained request: it accepts each sampled token once its
 value reaches the host, fills the request's bitmask row before the next sampling, and can roll
 back (for speculative decoding's rejected drafts) or be rebuilt from a token history (after a
-preemption whose replayed history differs from what it accepted).
+preemption whose replayed history differs from what it accepted). A request whose model
+reasons first passes a `ReasoningGate` (reasoning.py): the state holds no mask and feeds its
+matcher nothing until the reasoning has ended, and rollback and sync cross that boundary.
 """
 
 from __future__ import annotations
@@ -18,17 +20,31 @@ from typing import TypeVar
 import torch
 import xgrammar as xgr
 
+from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.structured_output.reasoning import Phase, ReasoningGate
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class GrammarState:
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, params: StructuredOutputsParams | None = None) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)
+        self._gate = ReasoningGate.of(params)
+        # Every output token seen, reasoning included: the runner lines them up with its history.
         self.accepted: list[int] = []
+        # Where the grammar's tokens begin in `accepted` (None: not yet, the output reasons).
+        self.grammar_start: int | None = 0 if self._gate is None else None
         # Set when a sampled token was outside the grammar (only possible when other settings,
         # e.g. allowed_token_ids, left the row no token the grammar allows): unconstrained since.
         self.failed = False
+
+    @property
+    def phase(self) -> Phase:
+        if self.grammar_start is not None:
+            return Phase.GRAMMAR
+        assert self._gate is not None
+        return self._gate.phase(len(self.accepted))
 
     @property
     def is_terminated(self) -> bool:
@@ -37,17 +53,44 @@ class GrammarState:
 
     @property
     def active(self) -> bool:
-        """Whether the next token is constrained."""
-        return not self.failed and not self.is_terminated
+        """Whether the next token is constrained (masked)."""
+        return not self.failed and not self.is_terminated and self.phase is not Phase.REASONING
+
+    @property
+    def in_grammar(self) -> bool:
+        """Whether the next token goes to the grammar's matcher alone."""
+        return self.grammar_start is not None and self.active
 
     def accept(self, token_ids: list[int]) -> bool:
-        """Advance over `token_ids`; False (and the state failed) at the first one the grammar refuses."""
+        """Advance over `token_ids`; False (and the state failed) at the first one refused."""
         for token_id in token_ids:
-            if not self.active:
+            if self.failed or self.is_terminated:
                 return False
-            if not self._record(token_id, self._matcher.accept_token(token_id)):
+            phase = self.phase
+            if phase is Phase.GRAMMAR:
+                accepted = self._matcher.accept_token(token_id)
+            elif phase is Phase.OPENING:
+                # The grammar first: a first token it allows is the answer's.
+                accepted = self._matcher.accept_token(token_id)
+                if accepted:
+                    self.grammar_start = 0
+                else:
+                    accepted = token_id == self._forced(0)
+            elif phase is Phase.FORCING:
+                accepted = token_id == self._forced(len(self.accepted))
+            else:
+                accepted = True
+            if not self._record(token_id, accepted):
                 return False
+            if phase is not Phase.GRAMMAR and self.grammar_start is None:
+                assert self._gate is not None
+                if self._gate.ends_reasoning(self.accepted):
+                    self.grammar_start = len(self.accepted)  # constrained from the next token
         return True
+
+    def _forced(self, num_tokens: int) -> int:
+        assert self._gate is not None
+        return self._gate.forced_token(num_tokens)
 
     def _record(self, token_id: int, accepted: bool) -> bool:
         if accepted:
@@ -58,11 +101,19 @@ class GrammarState:
         return accepted
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens."""
+        """Undo the last `num_tokens` accepted tokens (back into the reasoning, if they reach it)."""
         if num_tokens <= 0:
             return
-        self._matcher.rollback(num_tokens)
-        del self.accepted[-num_tokens:]
+        keep = len(self.accepted) - num_tokens
+        if self.grammar_start is not None:
+            # With a gate, what decided the grammar's start (the end marker, or an answer's first
+            # token at the opening) must be kept for the grammar to stay.
+            if keep >= max(self.grammar_start, 0 if self._gate is None else 1):
+                self._matcher.rollback(num_tokens)
+            else:
+                self._matcher.reset()
+                self.grammar_start = None
+        del self.accepted[keep:]
 
     def sync(self, token_ids: list[int]) -> None:
         """Make the accepted tokens exactly `token_ids` (rolled back to the common prefix, then advanced)."""
@@ -76,8 +127,26 @@ class GrammarState:
         if self.failed:  # start over: the matcher stopped at the refused token
             self._matcher.reset()
             self.accepted, self.failed, common = [], False, 0
+            self.grammar_start = 0 if self._gate is None else None
         self.rollback(len(self.accepted) - common)
         self.accept(token_ids[common:])
+
+    def adjust_mask(self, row: torch.Tensor) -> None:
+        """Before the grammar rules: the opening step also allows the start marker's first
+        token (`row` holds the grammar's mask); a forced step allows its token alone."""
+        phase = self.phase
+        if phase is Phase.OPENING:
+            _allow(row, self._forced(0))
+        elif phase is Phase.FORCING:
+            row.zero_()
+            _allow(row, self._forced(len(self.accepted)))
+
+
+def _allow(row: torch.Tensor, token_id: int) -> None:
+    """Set token `token_id`'s bit in a bitmask row of int32 words."""
+    word, bit = divmod(token_id, 32)
+    value = (int(row[word]) & 0xFFFFFFFF) | (1 << bit)
+    row[word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
 class GrammarBatch:
@@ -109,8 +178,14 @@ class GrammarBatch:
         return [work(self._batches[0], *spans[0])] + [future.result() for future in futures]
 
     def accept(self, states: list[GrammarState], token_ids: list[int]) -> None:
-        """Advance each active state over its one token."""
-        pairs = [(state, token_id) for state, token_id in zip(states, token_ids, strict=True) if state.active]
+        """Advance each state over its one token: those in their grammar together, the others
+        (still reasoning, or done) one by one."""
+        pairs = []
+        for state, token_id in zip(states, token_ids, strict=True):
+            if state.in_grammar:
+                pairs.append((state, token_id))
+            else:
+                state.accept([token_id])
         if not pairs:
             return
         matchers = [state._matcher for state, _ in pairs]
@@ -120,13 +195,17 @@ class GrammarBatch:
             state._record(token_id, accepted)
 
     def fill_bitmask(self, states: list[GrammarState], bitmask: torch.Tensor) -> None:
-        """Write state i's allowed next tokens into `bitmask[i]` (int32 words, bit b of word w: token 32w + b)."""
+        """Write active state i's allowed next tokens into `bitmask[i]` (int32 words, bit b of
+        word w: token 32w + b)."""
         matchers = [state._matcher for state in states]
 
         def fill(batch: xgr.BatchGrammarMatcher, lo: int, hi: int) -> None:
             batch.batch_fill_next_token_bitmask(matchers[lo:hi], bitmask, list(range(lo, hi)))
 
         self._run(fill, len(matchers))
+        for row, state in enumerate(states):
+            if state.grammar_start is None:  # opening or forcing its reasoning's start marker
+                state.adjust_mask(bitmask[row])
 
 
 def _usable_cpus() -> int:

@@ -483,7 +483,7 @@ class GPUModelRunner:
         from pagoda.structured_output.state import GrammarState
 
         compiled = get_backend(self.model_config).compile(GrammarSpec.of(params.structured_outputs))
-        return GrammarState(compiled)
+        return GrammarState(compiled, params.structured_outputs)
 
     def _grammar_batch(self) -> GrammarBatch:
         """What advances and fills the grammars of a step together (made with the first use)."""

@@ -1,6 +1,7 @@
 """Structured output end to end: the default SmolLM2 model and a tiny checkpoint (with the
 byte-level tokenizer), on the CPU, greedy and sampled, n = 2, async scheduling, preemption,
-aborts, and a grammar that compiles slowly next to a request that keeps stepping."""
+aborts, a grammar that compiles slowly next to a request that keeps stepping, and constraints
+that apply only after a reasoning end marker."""
 
 from __future__ import annotations
 
@@ -194,6 +195,10 @@ def test_regex_choice_grammar_and_json_object(smollm2: LLM) -> None:
         ({"structured_outputs": StructuredOutputsParams(grammar="root ::= (")}, "structured_outputs.grammar"),
         ({"structured_outputs": StructuredOutputsParams(json_object=True), "ignore_eos": True}, "ignore_eos"),
         ({"structured_outputs": StructuredOutputsParams(json_object=True), "min_tokens": 2}, "min_tokens"),
+        (
+            {"structured_outputs": StructuredOutputsParams(json_object=True, reasoning_end_token_ids=[1, 10**6])},
+            "structured_outputs.reasoning_end_token_ids",
+        ),
     ],
 )
 def test_invalid_constraints_are_refused_at_add_time(smollm2: LLM, settings: dict, param: str) -> None:
@@ -318,3 +323,58 @@ def test_tiny_checkpoint_under_preemption_logprobs_stop_strings_and_aborts(
     engine.abort_requests(["gone"])
     again = generate(llm, [prompts[0]], [SamplingParams(temperature=0, max_tokens=40, structured_outputs=structured)])
     assert again[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+
+
+# Byte tokens the JSON grammar never allows, as reasoning markers; a +100 logit_bias on one makes
+# random weights write it whenever nothing masks it (a think section, forced).
+THINK, OPEN = 1, 2
+BOUNDED_SCHEMA = {**TINY_SCHEMA, "additionalProperties": False}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tiny_checkpoint_reasons_freely_then_follows_the_schema(tiny_path: str, async_scheduling: bool) -> None:
+    """The output is free until the end marker (THINK x3: no grammar would take THINK) and a
+    JSON document of the schema after it, also when the model opens its reasoning with a start
+    marker (OPEN, then OPEN OPEN ends it) and when it answers at once instead ("{" biased: the
+    grammar from the first token); requests are preempted and resumed across the boundary, and
+    max_tokens inside the reasoning ends with "length"."""
+    llm = LLM(
+        model=tiny_path,
+        device="cpu",
+        dtype="float32",
+        max_model_len=128,
+        num_gpu_blocks=16,
+        async_scheduling=async_scheduling,
+    )
+    end_only = StructuredOutputsParams(json=BOUNDED_SCHEMA, reasoning_end_token_ids=[THINK] * 3)
+    opening = StructuredOutputsParams(
+        json=BOUNDED_SCHEMA, reasoning_end_token_ids=[OPEN, OPEN], reasoning_start_token_ids=[OPEN]
+    )
+    cases = [  # (constraint, biased token, tokens before the answer)
+        (end_only, THINK, [THINK] * 3),
+        (opening, OPEN, [OPEN] * 3),
+        (opening, ord("{"), []),
+    ]
+    prompts = [[(11 * i + j) % 200 + 40 for j in range(30)] for i in range(9)]
+    params = [
+        SamplingParams(
+            temperature=0.9 if i % 2 else 0,
+            seed=i,
+            max_tokens=60,
+            logit_bias={cases[i % 3][1]: 100.0},
+            structured_outputs=cases[i % 3][0],
+        )
+        for i in range(9)
+    ]
+    cut = SamplingParams(temperature=0, max_tokens=2, logit_bias={THINK: 100.0}, structured_outputs=end_only)
+    outputs = generate(llm, [*prompts, prompts[0]], [*params, cut])
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    for i, output in enumerate(outputs[:-1]):
+        (sample,) = output.outputs
+        reasoning = cases[i % 3][2]
+        assert sample.finish_reason == "stop", sample
+        assert list(sample.token_ids[: len(reasoning)]) == reasoning
+        answer = bytes(t for t in sample.token_ids[len(reasoning) :] if t != 0).decode()
+        jsonschema.validate(json.loads(answer), BOUNDED_SCHEMA)
+    (cut_sample,) = outputs[-1].outputs
+    assert cut_sample.finish_reason == "length" and list(cut_sample.token_ids) == [THINK, THINK]

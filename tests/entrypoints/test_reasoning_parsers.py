@@ -1,14 +1,18 @@
 """Reasoning parsers on canned model text: `<think>` blocks split from the answer, whole and
 streamed character by character (the stream joins to the whole), tags split across pieces,
-unclosed blocks, and reasoning followed by tool calls."""
+unclosed blocks, and reasoning followed by tool calls; where a prompt's end says the output
+begins (opened, closed, or the parser's default), which the parser follows, and the markers'
+token ids the constraint's reasoning gate gets."""
 
 from __future__ import annotations
 
 import pytest
+from structured_output.byte_tokenizer import byte_tokenizer
 from test_tool_parsers import PARIS, stream
 
 from pagoda.entrypoints.openai.message_parser import MessageParser, ParsedMessage
-from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS
+from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, OutputStart, ReasoningMarkers, output_start
+from pagoda.entrypoints.openai.structured import json_object
 from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 
 CASES = [
@@ -50,3 +54,55 @@ def test_reasoning_then_tool_calls() -> None:
     whole = parser.parse(text)
     assert whole == ParsedMessage("", "I need the weather.", (PARIS,))
     assert stream(MessageParser(REASONING_PARSERS["qwen3"](), HermesToolParser()), text, 1) == whole
+
+
+# ---- where the output begins, and the constraint's gate ------------------------------------
+
+THINK_TOKENIZER = byte_tokenizer(("<think>", "</think>"))  # <think> is id 1, </think> id 2
+QWEN3, DEEPSEEK_R1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
+
+
+@pytest.mark.parametrize(
+    ("parser", "prompt_end", "start"),
+    [
+        (QWEN3, "assistant:", OutputStart.MAY_REASON),
+        (DEEPSEEK_R1, "assistant:", OutputStart.REASONING),
+        (QWEN3, "assistant: <think>\n", OutputStart.REASONING),  # the template opened it
+        (DEEPSEEK_R1, "assistant: <think>\n\n</think>\n\n", OutputStart.ANSWER),  # closed it
+        (QWEN3, "<think>a</think> then <think>", OutputStart.REASONING),
+        (QWEN3, "</think> earlier. assistant:", OutputStart.MAY_REASON),  # only the prompt's end counts
+    ],
+)
+def test_the_prompts_end_says_where_the_output_begins(parser, prompt_end: str, start: OutputStart) -> None:
+    prompt = THINK_TOKENIZER.encode("user: hi\n" + prompt_end)
+    assert output_start(parser, prompt, THINK_TOKENIZER) is start
+
+
+def test_markers_are_token_ids_only_where_the_model_has_a_token_for_each() -> None:
+    markers = ReasoningMarkers.of(QWEN3, THINK_TOKENIZER)
+    assert markers == ReasoningMarkers(start_id=1, end_id=2)
+    assert ReasoningMarkers.of(QWEN3, byte_tokenizer()) is None  # "<think>" is 7 byte tokens there
+    constraint = json_object("response_format")
+    assert markers.gate(constraint, OutputStart.ANSWER) == constraint
+    opened = markers.gate(constraint, OutputStart.REASONING)
+    assert opened.field == "response_format" and opened.params.json_object
+    assert (opened.params.reasoning_end_token_ids, opened.params.reasoning_start_token_ids) == ((2,), None)
+    may = markers.gate(constraint, OutputStart.MAY_REASON).params
+    assert (may.reasoning_end_token_ids, may.reasoning_start_token_ids) == ((2,), (1,))
+
+
+@pytest.mark.parametrize(
+    ("name", "start", "text", "reasoning", "content"),
+    [
+        ("qwen3", OutputStart.ANSWER, "<think>x</think>Paris.", "", "<think>x</think>Paris."),
+        ("deepseek_r1", OutputStart.ANSWER, "Paris.", "", "Paris."),
+        ("qwen3", OutputStart.REASONING, "Hmm.</think>Paris.", "Hmm.", "Paris."),
+        ("deepseek_r1", OutputStart.MAY_REASON, "Paris.", "", "Paris."),
+    ],
+)
+def test_the_parser_follows_the_prompts_start(
+    name: str, start: OutputStart, text: str, reasoning: str, content: str
+) -> None:
+    parser = REASONING_PARSERS[name]
+    assert MessageParser(parser(start), None).parse(text) == ParsedMessage(content, reasoning)
+    assert stream(MessageParser(parser(start), None), text, 3) == ParsedMessage(content, reasoning)

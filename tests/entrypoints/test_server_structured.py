@@ -6,6 +6,10 @@ tools with `required` and named choices (arguments valid for the tool's paramete
 parsed from an answer a regex shapes into a hermes call, streamed tool-call fragments in
 OpenAI's wire format that join to the plain answer's calls, a tool-result round trip through
 the fallback tool prompt, reasoning split off, and every bad request a 400 naming its field.
+SmolLM2 has no token for `<think>`, so its constraints apply from the first token; a tiny
+checkpoint whose tokenizer has them (as reasoning models do) shows constraints applied after
+the reasoning: free reasoning, then an answer of the schema, streamed or not; a prompt that closed the reasoning constrained from its first token; max_tokens inside
+the reasoning ending with "length".
 
 SmolLM2 (135M) will not call tools on its own: end-to-end asserts use constraints."""
 
@@ -21,7 +25,9 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
 from engine_utils import smollm2_gguf_path  # noqa: E402
+from model_utils import save_tiny_checkpoint  # noqa: E402
 from server_utils import RemoteServer, assert_error  # noqa: E402
+from structured_output.byte_tokenizer import save_byte_tokenizer  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -400,3 +406,79 @@ def test_streamed_reasoning_comes_first(server: RemoteServer) -> None:
     assert kinds == sorted(kinds, key=["reasoning_content", "content"].index), kinds
     assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
     assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
+
+
+# ---- constraints after the reasoning ----------------------------------------------------------
+
+THINK_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}"
+    "assistant: {% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"
+)
+OPEN, CLOSE, LETTER = 1, 2, ord("a")  # <think> and </think> are ids 1 and 2 of the tiny tokenizer
+BOUNDED = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
+# Random weights write what these make likeliest wherever the mask lets them: "<think>" first
+# (a JSON grammar would refuse it), "a" (not "</think>" at once: a bad word), then "</think>".
+THINK_A_LITTLE = {
+    "logit_bias": {str(OPEN): 60, str(LETTER): 80, str(CLOSE): 100},
+    "bad_words": ["<think></think>"],
+    "temperature": 0,
+    "max_tokens": 48,
+}
+
+
+@pytest.fixture(scope="module")
+def thinking_server(start_server: Callable[..., RemoteServer], tmp_path_factory) -> RemoteServer:
+    path = str(tmp_path_factory.mktemp("thinking"))
+    save_tiny_checkpoint("qwen2", path)
+    save_byte_tokenizer(path, ("<think>", "</think>"), THINK_TEMPLATE)
+    return start_server(
+        path,
+        "--max-model-len",
+        "128",
+        "--reasoning-parser",
+        "qwen3",
+        "--trust-request-chat-template",
+        "--enable-debug-routes",
+    )
+
+
+def test_the_answer_after_the_reasoning_follows_the_schema(thinking_server: RemoteServer) -> None:
+    body = {
+        "messages": ASK,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": BOUNDED}},
+        **THINK_A_LITTLE,
+    }
+    choice = chat(thinking_server, **body)["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert choice["message"]["reasoning_content"] == "a"
+    jsonschema.validate(json.loads(choice["message"]["content"]), BOUNDED)
+    deltas = [c["choices"][0]["delta"] for c in events(thinking_server, CHAT, body) if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "a"
+    assert "".join(d.get("content") or "" for d in deltas) == choice["message"]["content"]
+
+
+def test_a_prompt_that_closed_the_reasoning_is_constrained_from_its_first_token(
+    thinking_server: RemoteServer,
+) -> None:
+    choice = chat(
+        thinking_server,
+        response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": BOUNDED}},
+        chat_template_kwargs={"enable_thinking": False},
+        **THINK_A_LITTLE,
+    )["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["reasoning_content"] is None, choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), BOUNDED)
+
+
+def test_max_tokens_inside_the_reasoning_ends_with_length(thinking_server: RemoteServer) -> None:
+    choice = chat(thinking_server, response_format={"type": "json_object"}, **{**THINK_A_LITTLE, "max_tokens": 2})[
+        "choices"
+    ][0]
+    assert choice["finish_reason"] == "length"
+    assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == ("a", "")
+    assert thinking_server.wait_idle()["idle"]

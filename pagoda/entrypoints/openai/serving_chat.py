@@ -43,7 +43,13 @@ from pagoda.entrypoints.openai.protocol import (
     ToolCallDelta,
     TopLogprob,
 )
-from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser
+from pagoda.entrypoints.openai.reasoning import (
+    REASONING_PARSERS,
+    OutputStart,
+    ReasoningMarkers,
+    ReasoningParser,
+    output_start,
+)
 from pagoda.entrypoints.openai.serving_base import (
     ONE_SERVICE_TIER,
     FieldRule,
@@ -55,11 +61,11 @@ from pagoda.entrypoints.openai.serving_base import (
     top_candidates,
 )
 from pagoda.entrypoints.openai.streaming import ChoiceTracker
-from pagoda.entrypoints.openai.structured import request_constraint
+from pagoda.entrypoints.openai.structured import Constraint, request_constraint
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, default_tool_parser
 from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagoda.entrypoints.openai.tool_prompt import with_tool_prompt
-from pagoda.entrypoints.openai.tools import ToolPlan, call_id, tool_plan
+from pagoda.entrypoints.openai.tools import ToolPlan, call_id, chat_tool_plan
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import RequestOutput, SampleLogprobs
 
@@ -102,16 +108,52 @@ class OpenAIServingChat(OpenAIServing):
         template = getattr(self.tokenizer, "chat_template", None)
         self.tool_parser = TOOL_PARSERS[tool_call_parser or default_tool_parser(template)]
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        self.reasoning_markers = (
+            ReasoningMarkers.of(self.reasoning_parser, self.tokenizer)
+            if self.reasoning_parser is not None and self.tokenizer is not None
+            else None
+        )
 
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_request(body)
         check_field_rules(body, CHAT_FIELD_RULES)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-        plan = tool_plan(body)
-        constraint = request_constraint(body)
+        prepared = await self.prepare(body, chat_tool_plan(body), request_constraint(body))
+        parsers = prepared.parsers
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = self.sampling_params(
+            body,
+            max_tokens,
+            prepared.constraint,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            skip_special_tokens=body.skip_special_tokens if parsers is None else parsers.skip_special_tokens(body),
+        )
+        response_id, request_ids = await self.start([prepared.prompt], params, "chatcmpl", body, prepared.constraint)
+        outputs = self.outputs(request_ids)
+        stops = list(params.stop)
+        return await self.respond(
+            raw_request,
+            request_ids,
+            body.stream,
+            chunks=lambda: self._chunks(body, response_id, outputs, stops, parsers),
+            final=lambda: self._final(body, response_id, outputs, parsers),
+        )
+
+    async def prepare(
+        self,
+        body: ChatCompletionRequest,
+        plan: ToolPlan | None,
+        constraint: Constraint | None,
+        reasoning: bool = True,
+    ) -> PreparedChat:
+        """The request's prompt, with its tools (the template's or the fallback tool prompt);
+        its one constraint (the request's, or a forced tool choice's), applied only after the
+        reasoning when the server reads reasoning (and `reasoning` is true); and its answers'
+        parsers. The Responses API serves its requests through here too."""
         forced = plan.constraint() if plan is not None else None
         if constraint is not None and forced is not None:
+            assert plan is not None
             raise OpenAIError(
                 400,
                 f"{constraint.field} and tool_choice {plan.choice!r} each constrain the output: send one of them "
@@ -123,25 +165,12 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await render_messages(
             self.engine, body, self.trust_request_chat_template, plan.tools if plan else None, tool_prompt
         )
-        parsers = self.message_parsers(plan, tool_prompt)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self.sampling_params(
-            body,
-            max_tokens,
-            constraint,
-            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            skip_special_tokens=body.skip_special_tokens if parsers is None else parsers.skip_special_tokens(body),
-        )
-        response_id, request_ids = await self.start([prompt], params, "chatcmpl", body, constraint)
-        outputs = self.outputs(request_ids)
-        stops = list(params.stop)
-        return await self.respond(
-            raw_request,
-            request_ids,
-            body.stream,
-            chunks=lambda: self._chunks(body, response_id, outputs, stops, parsers),
-            final=lambda: self._final(body, response_id, outputs, parsers),
-        )
+        start = None
+        if reasoning and self.reasoning_parser is not None and self.tokenizer is not None:
+            start = output_start(self.reasoning_parser, prompt, self.tokenizer)
+            if constraint is not None and self.reasoning_markers is not None:
+                constraint = self.reasoning_markers.gate(constraint, start)
+        return PreparedChat(prompt, constraint, self.message_parsers(plan, tool_prompt, start))
 
     async def template_renders_tools(self, body: ChatCompletionRequest) -> bool:
         """Whether the request's template prints tools (else the fallback tool prompt is used)."""
@@ -150,15 +179,19 @@ class OpenAIServingChat(OpenAIServing):
             return False  # render_messages refuses the request
         return await self.engine.run_processing(lambda: renders_tools(tokenizer, body.chat_template))
 
-    def message_parsers(self, plan: ToolPlan | None, tool_prompt: bool) -> MessageParsers | None:
-        """How this request's choices are parsed (None: their text is the content as it is)."""
+    def message_parsers(
+        self, plan: ToolPlan | None, tool_prompt: bool, start: OutputStart | None
+    ) -> MessageParsers | None:
+        """How this request's choices are parsed (None: their text is the content as it is);
+        `start` is where its output begins, None where no reasoning is read (no reasoning parser)."""
         tools: ToolParser | None = None
         if plan is not None and plan.parses_calls:
             forced = plan.forced_parser()
             tools = forced if forced is not None else (HermesToolParser() if tool_prompt else self.tool_parser())
-        if tools is None and self.reasoning_parser is None:
+        reasoning = self.reasoning_parser if start is not None else None
+        if tools is None and reasoning is None:
             return None
-        return MessageParsers(self.reasoning_parser, tools)
+        return MessageParsers(reasoning, start, tools)
 
     async def _final(
         self,
@@ -351,14 +384,24 @@ def tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
 
 
 @dataclass(frozen=True)
+class PreparedChat:
+    """A chat request ready for the engine (OpenAIServingChat.prepare)."""
+
+    prompt: list[int]
+    constraint: Constraint | None
+    parsers: MessageParsers | None
+
+
+@dataclass(frozen=True)
 class MessageParsers:
     """The parsers of one request's choices (a MessageParser holds one choice's stream)."""
 
     reasoning: type[ReasoningParser] | None
+    start: OutputStart | None  # where the output begins, for the reasoning parser
     tools: ToolParser | None  # stateless: one for every choice
 
     def new(self) -> MessageParser:
-        return MessageParser(self.reasoning() if self.reasoning is not None else None, self.tools)
+        return MessageParser(self.reasoning(self.start) if self.reasoning is not None else None, self.tools)
 
     def skip_special_tokens(self, body: ChatCompletionRequest) -> bool | None:
         """The request's setting, else false where the call marker is a special token."""

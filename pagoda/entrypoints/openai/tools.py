@@ -1,5 +1,6 @@
-"""A chat request's tools and tool_choice, checked, and what they ask of the engine and of
-the output's parsing:
+"""A request's function tools and tool_choice, checked, and what they ask of the engine and of
+the output's parsing (chat's and the Responses API's alike; `ToolFields` names each route's
+fields in errors):
 
 - `none` (or no tools): the tools are shown to the model, its text is not parsed for calls;
 - `auto` (the default with tools): the text is parsed by the model family's tool-call parser;
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.entrypoints.openai.errors import OpenAIError
-from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatTool
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, FunctionDefinition, NamedToolChoice
 from pagoda.entrypoints.openai.structured import Constraint, check_schema, json_constraint
 from pagoda.entrypoints.openai.tool_parsers import ForcedToolParser, ToolParser
 
@@ -31,10 +32,23 @@ NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additional
 
 
 @dataclass(frozen=True)
+class ToolFields:
+    """How a route names tool fields in errors: `function` a tool's function object (`{}` its
+    index), `choice_name` the function a tool_choice names."""
+
+    function: str
+    choice_name: str
+
+
+CHAT_TOOL_FIELDS = ToolFields("tools[{}].function", "tool_choice.function.name")
+
+
+@dataclass(frozen=True)
 class ToolPlan:
     tools: tuple[dict[str, Any], ...]  # OpenAI's tool objects, as chat templates take them
     choice: str  # "none", "auto", "required" or a function's name
     parallel: bool
+    fields: ToolFields = CHAT_TOOL_FIELDS
 
     @property
     def parses_calls(self) -> bool:
@@ -46,7 +60,7 @@ class ToolPlan:
             return None
         if self.choice != "required":
             index = next(i for i, tool in enumerate(self.tools) if tool["function"]["name"] == self.choice)
-            return json_constraint(parameters(self.tools[index]), f"tools[{index}].function.parameters")
+            return json_constraint(parameters(self.tools[index]), f"{self.fields.function.format(index)}.parameters")
         calls = [
             {
                 "type": "object",
@@ -75,36 +89,49 @@ def parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or NO_PARAMETERS
 
 
-def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
-    """The request's tools and choice, checked (400 naming the field); None without tools."""
+def chat_tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
+    """A chat request's tools and choice, checked (400 naming the field); None without tools."""
     choice = body.tool_choice
-    if not body.tools:
-        if choice not in (None, "none"):
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    mode = None if isinstance(choice, NamedToolChoice) else choice
+    functions = [tool.function for tool in body.tools or []]
+    return tool_plan(functions, mode, named, body.parallel_tool_calls, CHAT_TOOL_FIELDS)
+
+
+def tool_plan(
+    functions: list[FunctionDefinition],
+    mode: str | None,
+    named: str | None,
+    parallel_tool_calls: bool | None,
+    fields: ToolFields,
+) -> ToolPlan | None:
+    """The functions and the choice (`mode` "none", "auto" or "required", or the function
+    `named`), checked (400 naming the field); None without functions."""
+    if not functions:
+        if named is not None or mode not in (None, "none"):
             raise OpenAIError(400, "tool_choice needs tools: send the functions it may call", "tool_choice")
         return None
-    if len(body.tools) > MAX_TOOLS:
-        raise OpenAIError(400, f"tools has {len(body.tools)} tools; at most {MAX_TOOLS} are accepted", "tools")
+    if len(functions) > MAX_TOOLS:
+        raise OpenAIError(400, f"tools has {len(functions)} tools; at most {MAX_TOOLS} are accepted", "tools")
     names: set[str] = set()
-    for i, tool in enumerate(body.tools):
-        _check_tool(i, tool, names)
-    if isinstance(choice, str) or choice is None:
-        mode = choice or "auto"
-    elif choice.function.name not in names:
+    for i, function in enumerate(functions):
+        _check_function(fields.function.format(i), function, names)
+    if named is None:
+        choice = mode or "auto"
+    elif named not in names:
         raise OpenAIError(
             400,
-            f"tool_choice names the function {choice.function.name!r}, which is not among the tools "
-            f"({', '.join(sorted(names))})",
-            "tool_choice.function.name",
+            f"tool_choice names the function {named!r}, which is not among the tools ({', '.join(sorted(names))})",
+            fields.choice_name,
         )
     else:
-        mode = choice.function.name
-    tools = tuple(tool.model_dump(exclude_none=True) for tool in body.tools)
-    return ToolPlan(tools, mode, body.parallel_tool_calls is not False)
+        choice = named
+    tools = tuple({"type": "function", "function": function.model_dump(exclude_none=True)} for function in functions)
+    return ToolPlan(tools, choice, parallel_tool_calls is not False, fields)
 
 
-def _check_tool(index: int, tool: ChatTool, names: set[str]) -> None:
-    name = tool.function.name
-    field = f"tools[{index}].function"
+def _check_function(field: str, function: FunctionDefinition, names: set[str]) -> None:
+    name = function.name
     if not _FUNCTION_NAME.fullmatch(name):
         raise OpenAIError(
             400, f"{field}.name must be 1 to 64 letters, digits, '_' or '-', got {name[:80]!r}", f"{field}.name"
@@ -112,9 +139,9 @@ def _check_tool(index: int, tool: ChatTool, names: set[str]) -> None:
     if name in names:
         raise OpenAIError(400, f"{field}.name {name!r} is given twice: function names must be unique", f"{field}.name")
     names.add(name)
-    if tool.function.parameters is not None:
-        check_schema(tool.function.parameters, f"{field}.parameters")
-        kind = tool.function.parameters.get("type", "object")
+    if function.parameters is not None:
+        check_schema(function.parameters, f"{field}.parameters")
+        kind = function.parameters.get("type", "object")
         if kind != "object":
             raise OpenAIError(
                 400,

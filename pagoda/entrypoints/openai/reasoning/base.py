@@ -1,13 +1,26 @@
 """What every reasoning parser shares: a choice's text split into its reasoning and its
 answer. As with tool-call parsers, `split(text, final=False)` returns only the settled part
 of a growing text (a tag's start is held back until the next characters decide it), so a
-stream joins to the answer given without streaming."""
+stream joins to the answer given without streaming.
+
+Where an output begins depends on the prompt as much as on the model: a template may open the
+reasoning block in the prompt (DeepSeek-R1's), close an empty one there (Qwen3's with
+enable_thinking false), or leave the model to open it. `OutputStart` says which, per request
+(gate.py reads it off the prompt), and the parser and the constraint's reasoning gate both
+follow it, so the answer they split and the answer the grammar shapes are one."""
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
+
+
+class OutputStart(enum.Enum):
+    REASONING = "reasoning"  # inside the reasoning: it ends at the end marker
+    MAY_REASON = "may_reason"  # the model opens the reasoning with the start marker, or answers at once
+    ANSWER = "answer"  # the prompt closed the reasoning: all of the output is the answer
 
 
 @dataclass(frozen=True)
@@ -18,6 +31,14 @@ class ReasoningSplit:
 
 class ReasoningParser(ABC):
     name: ClassVar[str]
+    # The markers around the reasoning, as text.
+    start_marker: ClassVar[str]
+    end_marker: ClassVar[str]
+    # Where an output begins when its prompt neither opened nor closed the reasoning.
+    default_start: ClassVar[OutputStart]
+
+    def __init__(self, start: OutputStart | None = None) -> None:
+        self.start = start or self.default_start
 
     @abstractmethod
     def split(self, text: str, final: bool = True) -> ReasoningSplit:
