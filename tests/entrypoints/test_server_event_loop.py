@@ -21,9 +21,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
-from model_utils import save_random_checkpoint
 from server_utils import RemoteServer
-from transformers import LlamaConfig
 
 from pagoda.entrypoints.openai.limits import max_chars_per_token
 from pagoda.model.loader import load_tokenizer
@@ -42,28 +40,16 @@ BIG_REQUEST_PAUSE_S = 0.1
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("tiny-llama-smollm2-tokenizer"))
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_MODEL_LEN,
+def server(start_server, tiny_model_args: tuple[str, ...]) -> RemoteServer:
+    return start_server(
+        *tiny_model_args,
+        *("--max-model-len", str(MAX_MODEL_LEN), "--max-request-body-bytes", str(MAX_BODY)),
     )
-    save_random_checkpoint(config, path)
-    load_tokenizer(smollm2_gguf_path(), "gguf").save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
-def server(start_server, checkpoint: str) -> RemoteServer:
-    return start_server(
-        *("--model", checkpoint, "--max-model-len", str(MAX_MODEL_LEN)),
-        *("--max-request-body-bytes", str(MAX_BODY)),
-    )
+def checkpoint(tiny_model_args: tuple[str, ...]) -> str:
+    return tiny_model_args[tiny_model_args.index("--model") + 1]
 
 
 def big_bodies(checkpoint: str) -> list[tuple[str, bytes, int]]:

@@ -4,7 +4,8 @@ a 5xx, every rejection is an OpenAI error body naming the field it refuses, and 
 request succeeds after each batch with the engine idle. CI runs a few hundred cases; the full
 run (thousands) is marked slow, and its figures are in benchmarks/RELIABILITY.md.
 
-The server's context is 64 tokens so that any request that passes generates little.
+The server's context is 64 tokens so that any request that passes generates little, and its
+model is a tiny random one with SmolLM2's tokenizer: the fuzz is of the server, not the model.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def subnormal_floats():
 
 
 @pytest.fixture(scope="module")
-def server(start_server) -> RemoteServer:
-    return start_server(*ENGINE_ARGS, "--enable-debug-routes", api_key=API_KEY)
+def server(start_server, tiny_model_args: tuple[str, ...]) -> RemoteServer:
+    return start_server(*tiny_model_args, *ENGINE_ARGS, "--enable-debug-routes", api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""The real server (SmolLM2) with a model forward that fails on the 40th step
-(PAGODA_TEST_CORE_FAULT=raise@40, read only by the engine core process for tests).
+"""The real server (a tiny random model with SmolLM2's tokenizer) with a model forward that
+fails on the 40th step (PAGODA_TEST_CORE_FAULT=raise@40, read only by the engine core process
+for tests).
 
 Before the fault: `cache_salt` on completions and chat isolates tenants in the prefix cache
 (hit counters in /metrics), and /health reports the core's step count. Then the fault:
@@ -31,17 +32,14 @@ FAULT_WAIT_S = 600
 
 
 @pytest.fixture(scope="module")
-def server(start_server) -> RemoteServer:
+def server(start_server, tiny_model_args: tuple[str, ...]) -> RemoteServer:
     # The fault ends it (the last test checks its exit code); stopped only if a test failed before.
     env = {"PAGODA_TEST_CORE_FAULT": f"raise@{FAULT_STEP}"}
-    return start_server(*ENGINE_ARGS, env=env, exit_codes=None, may_exit_first=True)
+    return start_server(*tiny_model_args, *ENGINE_ARGS, env=env, exit_codes=None, may_exit_first=True)
 
 
 def prefix_cache_hits(server: RemoteServer) -> float:
-    for line in server.get("/metrics").text.splitlines():
-        if line.startswith("pagoda:prefix_cache_hits_total "):
-            return float(line.split()[1])
-    raise AssertionError("no prefix-cache hit counter in /metrics")
+    return server.metrics()["pagoda:prefix_cache_hits_total"]
 
 
 def hits_of(server: RemoteServer, route: str, salt: str | None) -> float:

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("openai", reason="the test extra: the SDK's request types are the field list")
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
-from server_utils import MODEL, RemoteServer, assert_error
+from server_utils import API_KEY, LONG_SERVER, MODEL, RemoteServer, assert_error
 
 HEADER = "x-pagoda-ignored-fields"
 HI = [{"role": "user", "content": "Hi"}]
@@ -100,8 +100,8 @@ AGENT = [
 
 
 @pytest.fixture(scope="module")
-def server(start_server: Callable[..., RemoteServer]) -> RemoteServer:
-    return start_server("--max-model-len", "256", "--trust-request-chat-template")
+def server(shared_server: Callable[..., RemoteServer]) -> RemoteServer:
+    return shared_server(*LONG_SERVER, api_key=API_KEY)
 
 
 def sdk_fields(params: type) -> list[str]:
