@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         def step(batch: InputBatch = batch) -> None:
             metadata = batch.sampling_metadata(rows, None)
             output = sampler(logits, metadata)
-            batch.sampling.record_sampled(rows, None, output.sampled_token_ids)
+            batch.sampling.record_sampled(rows, None, output.sampled_token_ids[:, None])
             if output.logprobs is not None:
                 output.logprobs.to_arrays()
             output.sampled_token_ids.cpu()

@@ -7,8 +7,9 @@ engine, which may import the model loader.
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -229,6 +230,82 @@ class ParallelConfig:
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# Drafts per verify step: each costs a query token per request and a logits row; past this the
+# chance that every draft holds is negligible for any proposer.
+MAX_SPECULATIVE_TOKENS = 16
+# Longest n-gram prompt lookup matches: longer ones cost more to match and almost never hit.
+MAX_PROMPT_LOOKUP = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts up to `num_speculative_tokens` tokens per step and
+    the model verifies them in one forward (k + 1 query tokens per request).
+
+    `ngram` looks the last `prompt_lookup_max` .. `prompt_lookup_min` tokens up in the request's
+    own prompt and output and drafts what followed; `draft_model`, `eagle` and `eagle3` need
+    `model` (a draft checkpoint or head). `forced_acceptance` is benchmark-only (see
+    `pagoda.benchmarks`): each draft is accepted with that probability whatever the model says, so
+    the outputs are not the model's; `from_value` refuses it.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    forced_acceptance: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, MAX_PROMPT_LOOKUP)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, MAX_PROMPT_LOOKUP)
+        if self.method == "ngram" and self.model is not None:
+            raise ConfigError("speculative_config.model is for draft_model, eagle and eagle3; ngram takes none")
+        if self.method != "ngram" and not self.model:
+            raise ConfigError(f"speculative_config.model is required for method {self.method!r}")
+        alpha = self.forced_acceptance
+        if alpha is not None and (
+            isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1
+        ):
+            raise ConfigError(f"speculative_config.forced_acceptance must be in [0, 1], got {alpha!r}")
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
+        """From `LLM(speculative_config=...)` or `--speculative-config` (a dict or its JSON text)."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"speculative_config must be a JSON object: {error}") from error
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a dict (a JSON object), got {type(value).__name__}")
+        if "forced_acceptance" in value:
+            raise ConfigError(
+                "speculative_config.forced_acceptance is benchmark-only (its outputs are not the model's): "
+                "use `pagoda bench latency/throughput --forced-acceptance ALPHA`"
+            )
+        names = {f.name for f in fields(cls)} - {"forced_acceptance"}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(f"unknown speculative_config keys {unknown}; known: {sorted(names)}")
+        missing = [name for name in ("method", "num_speculative_tokens") if name not in value]
+        if missing:
+            raise ConfigError(f"speculative_config needs {' and '.join(missing)}")
+        return cls(**value)
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"speculative_config.{name} must be an integer in [{low}, {high}], got {value!r}")
+
 
 @dataclass
 class EngineConfig:
@@ -240,3 +317,4 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    speculative_config: SpeculativeConfig | None = None

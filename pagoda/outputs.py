@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagoda.spec_decode.stats import SpecDecodingStats
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, a stop token id or a stop string
@@ -61,6 +63,8 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Speculative decoding's acceptance since start; None when speculation is off.
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -123,18 +127,27 @@ class ModelRunnerOutput:
     """What one forward step produced, by batch row.
 
     `sampled_token_ids[i]` belongs to `req_ids[i]`; it is empty for a request whose prompt
-    is still being prefilled in chunks (no token is sampled there). `logprobs` (None when no
-    row asked) has one row per batch row, for its sampled token, with as many top columns as
-    the most any row asked for. `prompt_logprobs` holds the whole prompt's logprobs of each
-    request that asked and whose prompt completed this step (one row per prompt token after
-    the first), so chunked prefills deliver them once.
+    is still being prefilled in chunks (no token is sampled there), and holds several tokens
+    after a verify step that accepted drafts. `logprobs` (None when no row asked) has one row
+    per sampled position, with as many top columns as the most any row asked for: batch row
+    i's tokens are rows `logprobs_start[i]` on. `prompt_logprobs` holds the whole prompt's
+    logprobs of each request that asked and whose prompt completed this step (one row per
+    prompt token after the first), so chunked prefills deliver them once.
     """
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsArrays | None = None
+    logprobs_start: list[int] | None = None
     prompt_logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
+
+    def token_logprobs(self, index: int, num_tokens: int, num_top: int) -> LogprobsArrays | None:
+        """The logprobs of batch row `index`'s first `num_tokens` tokens, with `num_top` top columns."""
+        if self.logprobs is None or self.logprobs_start is None:
+            return None
+        start = self.logprobs_start[index]
+        return self.logprobs.select(slice(start, start + num_tokens), num_top)
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

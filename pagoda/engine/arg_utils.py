@@ -23,6 +23,7 @@ from pagoda.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
 
@@ -59,6 +60,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         for f in dataclasses.fields(klass)
         if (name, f.name) not in derived
     }
+    speculative = kwargs.pop("speculative_config", None)
     for key, value in kwargs.items():
         if key not in owners:
             raise ConfigError(f"unknown engine argument {key!r}")
@@ -113,6 +115,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
             f"tensor_parallel_size x pipeline_parallel_size ({parallel_config.world_size}) must be <= "
             f"the {local_gpus} visible CUDA devices with distributed_executor_backend 'mp'"
         )
+    speculative_config = _resolve_speculative(speculative, model_config, scheduler_config, parallel_config)
     return EngineConfig(
         model_config=model_config,
         cache_config=CacheConfig(**split["cache_config"]),
@@ -120,7 +123,44 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         parallel_config=parallel_config,
         device_config=device_config,
         compilation_config=CompilationConfig(**split["compilation_config"]),
+        speculative_config=speculative_config,
     )
+
+
+# Proposers built so far; the others are refused, never silently ignored.
+BUILT_SPECULATIVE_METHODS = ("ngram",)
+
+
+def _resolve_speculative(
+    value: SpeculativeConfig | dict[str, Any] | str | None,
+    model_config: ModelConfig,
+    scheduler_config: SchedulerConfig,
+    parallel_config: ParallelConfig,
+) -> SpeculativeConfig | None:
+    """The speculative config checked against what is built and against the engine's limits."""
+    if value is None:
+        return None
+    config = SpeculativeConfig.from_value(value)
+    if config.method not in BUILT_SPECULATIVE_METHODS:
+        raise ConfigError(
+            f"speculative_config.method {config.method!r} is not built yet; built: {', '.join(BUILT_SPECULATIVE_METHODS)}"
+        )
+    k = config.num_speculative_tokens
+    budget = scheduler_config.max_num_batched_tokens
+    assert budget is not None and model_config.max_model_len is not None
+    if k + 1 > budget:
+        raise ConfigError(
+            f"speculative_config.num_speculative_tokens must be <= max_num_batched_tokens - 1 = {budget - 1} "
+            f"(a verify step takes k + 1 tokens per request), got {k}"
+        )
+    if k + 2 > model_config.max_model_len:
+        raise ConfigError(
+            f"speculative_config.num_speculative_tokens must be <= max_model_len - 2 = "
+            f"{model_config.max_model_len - 2}, got {k}"
+        )
+    if parallel_config.pipeline_parallel_size > 1:
+        raise ConfigError("speculative_config needs pipeline_parallel_size 1 (pipelined verify steps are not built)")
+    return config
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device_config: DeviceConfig) -> torch.dtype:

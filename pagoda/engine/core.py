@@ -48,7 +48,11 @@ class EngineCore:
         pp_size = config.parallel_config.pipeline_parallel_size
         # Every rank has the same groups and blocks (only its layers differ): any rank's layout will do.
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, kv_cache_configs[0], pipeline_parallel=pp_size > 1
+            config.scheduler_config,
+            config.cache_config,
+            kv_cache_configs[0],
+            pipeline_parallel=pp_size > 1,
+            speculative_config=config.speculative_config,
         )
         # One batch per pipeline stage in flight, so that no stage waits for another.
         self.batch_queue_size = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)

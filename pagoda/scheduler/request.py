@@ -51,6 +51,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0
+        # Draft tokens of a verify step whose output has not come back (speculative decoding).
+        self.num_inflight_drafts = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []

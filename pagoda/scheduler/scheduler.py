@@ -16,6 +16,15 @@ Under pipeline parallelism several batches are in flight at once, one per stage.
 whose sampled token is still in flight is then left out (the first stage would wait for
 it, stalling the pipeline), so consecutive batches hold different requests; each scheduled
 request carries the tokens sampled since it last ran, for the stages that do not sample.
+
+Speculative decoding: a decoding request may carry up to k draft tokens (from the n-gram
+proposer), verified in the same step. Their KV slots are reserved and counted in the token
+budget, and `num_computed_tokens` advances over them; when the output shows how many were
+accepted, the rejected ones are taken back (their KV is never registered in the prefix
+cache: only blocks below the corrected count are). Drafts never take a request past
+max_tokens or max_model_len. A request whose verify step is in flight is not scheduled again
+until its accepted count is back (where its next token goes depends on it), so under async
+scheduling a speculating request's steps do not overlap each other.
 """
 
 from __future__ import annotations
@@ -24,12 +33,14 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
-from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagoda.kv_cache_interface import KVCacheConfig
 from pagoda.outputs import EngineCoreOutput, ModelRunnerOutput, RequestStatus, SchedulerStats
 from pagoda.scheduler.kv_cache_manager import KVCacheManager
 from pagoda.scheduler.output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
 from pagoda.scheduler.request import Request
+from pagoda.spec_decode.ngram import NgramProposer
+from pagoda.spec_decode.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +52,7 @@ class Scheduler:
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
         pipeline_parallel: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         budget = scheduler_config.max_num_batched_tokens
         if budget is None:
@@ -66,6 +78,20 @@ class Scheduler:
         # Ended since the last schedule(): reported in the next SchedulerOutput.
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_speculative_tokens = 0
+        self.proposer: NgramProposer | None = None
+        self.spec_stats: SpecDecodingStats | None = None
+        if speculative_config is not None:
+            if speculative_config.method != "ngram":
+                raise ValueError(f"the scheduler proposes n-gram drafts only, not {speculative_config.method!r}")
+            self.num_speculative_tokens = speculative_config.num_speculative_tokens
+            self.proposer = NgramProposer(
+                self.max_num_seqs,
+                self.max_model_len,
+                speculative_config.prompt_lookup_min,
+                speculative_config.prompt_lookup_max,
+            )
+            self.spec_stats = SpecDecodingStats()
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -147,16 +173,30 @@ class Scheduler:
         cached_reqs = CachedRequestData()
         preempted_req_ids: set[str] = set()
 
+        spec_tokens: dict[str, list[int]] = {}
+        proposals = self._propose() if self.proposer is not None else {}
+
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.num_inflight_drafts:
+                index += 1  # where its next token goes depends on its accepted count: wait for it
+                continue
             num_new = min(self._num_tokens_to_compute(request), budget)
             if num_new == 0 or (self.pipeline_parallel and request.num_pending_tokens):
                 index += 1
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new, preempted_req_ids)
+            drafts = self._capped_drafts(request, proposals.get(request.request_id, []), budget - num_new)
+            new_block_ids = kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
+            if new_block_ids is None:
+                drafts = []  # no room for the drafts: schedule the plain step (which may preempt)
+                new_block_ids = self._allocate_or_preempt(request, num_new, preempted_req_ids)
             if new_block_ids is None:
                 break
+            if drafts:
+                spec_tokens[request.request_id] = drafts
+                request.num_inflight_drafts = len(drafts)
+                num_new += len(drafts)
             appended: BlockIds | None = new_block_ids if any(new_block_ids) else None
             _append_cached(cached_reqs, request, False, None, appended, request.num_computed_tokens)
             if self.pipeline_parallel:
@@ -226,6 +266,7 @@ class Scheduler:
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=finished_req_ids,
             freed_block_ids=kv.take_freed_block_ids(),
             preempted_req_ids=preempted_req_ids,
@@ -243,11 +284,13 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # ended while the step ran: its late token is dropped
-            # Capped by the current count: a request preempted and resumed since then holds
-            # fresh blocks, of which only those already scheduled may be cached.
-            kv.cache_blocks(request, min(computed_before[req_id] + num_scheduled, request.num_computed_tokens))
             index = model_runner_output.req_id_to_index.get(req_id)
             sampled = model_runner_output.sampled_token_ids[index] if index is not None else []
+            num_rejected = self._take_back_rejected(request, scheduler_output, sampled)
+            # Capped by the current count: a request preempted and resumed since then holds
+            # fresh blocks, of which only those already scheduled may be cached.
+            num_valid = computed_before[req_id] + num_scheduled - num_rejected
+            kv.cache_blocks(request, min(num_valid, request.num_computed_tokens))
             if not sampled:
                 continue  # a partial prefill chunk samples nothing
             request.num_pending_tokens -= 1
@@ -265,8 +308,8 @@ class Scheduler:
                 stopped.append((request, status))
             params = request.sampling_params
             new_logprobs = None
-            if params.logprobs is not None and model_runner_output.logprobs is not None:
-                new_logprobs = model_runner_output.logprobs.select(slice(index, index + 1), params.logprobs)
+            if params.logprobs is not None:
+                new_logprobs = model_runner_output.token_logprobs(index, len(new_token_ids), params.logprobs)
             outputs.append(
                 EngineCoreOutput(
                     req_id=req_id,
@@ -296,6 +339,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
         )
 
     def reset_prefix_cache(self) -> None:
@@ -312,6 +356,7 @@ class Scheduler:
             "running": [r.request_id for r in self.running],
             "waiting": [r.request_id for r in self.waiting],
             "finished ids not yet reported": sorted(self._finished_req_ids),
+            "n-gram proposer slots": self.proposer.req_ids if self.proposer is not None else [],
         }
         left = {name: ids[:16] for name, ids in leftovers.items() if ids}
         if left:
@@ -319,6 +364,57 @@ class Scheduler:
         self.kv_cache_manager.check_idle()
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _propose(self) -> dict[str, list[int]]:
+        """N-gram drafts for the running requests about to decode, proposed in one batch.
+
+        A request with a plain step in flight is proposed for from its known history (one token
+        stale): k + 1 tokens are drafted and the first, the guess of the token in flight, dropped.
+        """
+        proposer = self.proposer
+        assert proposer is not None
+        candidates = [
+            request
+            for request in self.running
+            if not request.num_inflight_drafts
+            and request.grammar is None
+            and request.num_pending_tokens <= 1
+            and self._num_tokens_to_compute(request) == 1
+        ]
+        if not candidates:
+            return {}
+        slots = [proposer.sync(request.request_id, request.all_token_ids) for request in candidates]
+        k = self.num_speculative_tokens
+        drafts, counts = proposer.propose(slots, k + 1)
+        proposals = {}
+        for row, request in enumerate(candidates):
+            skip = request.num_pending_tokens
+            if counts[row] > skip:
+                proposals[request.request_id] = drafts[row, skip : min(counts[row], skip + k)].tolist()
+        return proposals
+
+    def _capped_drafts(self, request: Request, drafts: list[int], budget: int) -> list[int]:
+        """The drafts that fit the token budget left and keep every token the step may emit (the
+        drafts and one more) within max_tokens and max_model_len."""
+        in_flight = request.num_pending_tokens
+        room = self.max_model_len - request.num_tokens - in_flight - 1
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - in_flight - 1)
+        return drafts[: max(0, min(room, budget))]
+
+    def _take_back_rejected(self, request: Request, scheduler_output: SchedulerOutput, sampled: list[int]) -> int:
+        """After a verify step: count its acceptance and un-compute its rejected drafts (their slots
+        are rewritten by the next tokens); the number rejected."""
+        num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(request.request_id, ()))
+        if not num_drafts or not sampled:
+            return 0
+        request.num_inflight_drafts = 0
+        num_rejected = num_drafts + 1 - len(sampled)
+        assert self.spec_stats is not None
+        self.spec_stats.observe(num_drafts, num_drafts - num_rejected)
+        if request.status == RequestStatus.RUNNING:  # a preempted one restarts from 0 anyway
+            request.num_computed_tokens -= num_rejected
+        return num_rejected
 
     def _num_tokens_to_compute(self, request: Request) -> int:
         """Tokens a running request still needs; 0 once its in-flight tokens reach a length cap."""
@@ -340,6 +436,8 @@ class Scheduler:
         while (new_block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
             victim = self.running.pop()
             self.kv_cache_manager.free(victim)
+            if self.proposer is not None:
+                self.proposer.remove(victim.request_id)
             victim.status = RequestStatus.PREEMPTED
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
@@ -366,6 +464,8 @@ class Scheduler:
         """Finish a request already taken out of its queue: free its blocks, report its id."""
         request.status = status
         self.kv_cache_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.remove(request.request_id)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
 

@@ -27,6 +27,8 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         req_ids: list[str],
         sample_rows: np.ndarray,
         positions: np.ndarray,
+        num_drafts: np.ndarray,
+        logits_start: np.ndarray,
         sampled_token_ids: torch.Tensor,
         logprobs: LogprobsTensors | None,
         prompt_logprobs: dict[str, LogprobsArrays],
@@ -35,9 +37,13 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
     ) -> None:
         self.req_ids = req_ids
         self.sample_rows = sample_rows
-        # Token position each sampled id lands at, per sampled row.
+        # Token position each sampled row's first new token lands at.
         self.positions = positions
-        # The device ids, kept until resolved so the next step can read them without the host.
+        # Per sampled row: the drafts it verified, and its first row among the step's logprobs.
+        self.num_drafts = num_drafts
+        self.logits_start = logits_start
+        # The device ids ([rows, n], -1 past a row's last), kept until resolved so the next step
+        # can read them without the host.
         self.sampled_token_ids: torch.Tensor | None = sampled_token_ids
         self.index_of_req = {req_ids[row]: i for i, row in enumerate(sample_rows.tolist())}
         self._prompt_logprobs = prompt_logprobs
@@ -78,27 +84,23 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             self._copy_done.synchronize()
         sampled = self._host[0].numpy()
         sampled_token_ids: list[list[int]] = [[] for _ in self.req_ids]
-        for row, token_id in zip(self.sample_rows.tolist(), sampled.tolist(), strict=True):
-            sampled_token_ids[row] = [token_id]
-        logprobs = None
+        if sampled.shape[1] == 1:
+            for row, token_id in zip(self.sample_rows.tolist(), sampled[:, 0].tolist(), strict=True):
+                sampled_token_ids[row] = [token_id]
+        else:
+            for row, tokens in zip(self.sample_rows.tolist(), sampled, strict=True):
+                sampled_token_ids[row] = tokens[tokens >= 0].tolist()
+        logprobs = logprobs_start = None
         if len(self._host) > 1:
-            arrays = LogprobsArrays(*(tensor.numpy() for tensor in self._host[1:]))
-            logprobs = _by_batch_row(arrays, self.sample_rows, len(self.req_ids))
+            logprobs = LogprobsArrays(*(tensor.numpy() for tensor in self._host[1:]))
+            logprobs_start = [-1] * len(self.req_ids)
+            for row, start in zip(self.sample_rows.tolist(), self.logits_start.tolist(), strict=True):
+                logprobs_start[row] = start
         return ModelRunnerOutput(
             req_ids=self.req_ids,
             req_id_to_index={req_id: row for row, req_id in enumerate(self.req_ids)},
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
+            logprobs_start=logprobs_start,
             prompt_logprobs=self._prompt_logprobs,
         )
-
-
-def _by_batch_row(arrays: LogprobsArrays, sample_rows: np.ndarray, num_rows: int) -> LogprobsArrays:
-    """Logprobs of the sampled rows spread over all batch rows (rows that did not sample stay zero)."""
-
-    def spread(values: np.ndarray) -> np.ndarray:
-        out = np.zeros((num_rows, values.shape[1]), dtype=values.dtype)
-        out[sample_rows] = values
-        return out
-
-    return LogprobsArrays(spread(arrays.token_ids), spread(arrays.logprobs), spread(arrays.ranks))

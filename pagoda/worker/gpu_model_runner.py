@@ -25,11 +25,13 @@ from pagoda.distributed.parallel_state import get_parallel_state
 from pagoda.forward_context import ForwardContext
 from pagoda.kv_cache_interface import KVCacheConfig, KVCacheSpec, get_kv_cache_config
 from pagoda.outputs import IntermediateTensors, LogprobsArrays, ModelRunnerOutput
+from pagoda.sample.logprobs import LogprobsTensors
 from pagoda.sample.metadata import SamplingMetadata, TokenBitmask
-from pagoda.sample.sampler import Sampler, SamplerOutput
+from pagoda.sample.sampler import Sampler
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.scheduler.block_pool import NULL_BLOCK_ID
 from pagoda.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.spec_decode.verification import verify_drafts
 from pagoda.structured_output.spec import GrammarSpec
 from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
 from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
@@ -83,12 +85,25 @@ class PreparedInputs:
     positions: torch.Tensor
     forward_context: ForwardContext
     num_scheduled_tokens: int
-    # Flat token index of the last scheduled token of each row that samples this step.
+    # Flat token index of each position that samples: the last scheduled token of each row
+    # whose prompt is complete after this step, and in a verify step each of its drafts' too.
     logits_indices: torch.Tensor
     # Batch rows that sample (their prompt is complete after this step).
     sample_rows: np.ndarray
+    # Per sampled row: its draft tokens this step, and its first row among the logits.
+    num_drafts: np.ndarray
+    logits_start: np.ndarray
     # Their sampling settings, built (and sent) before the forward.
     sampling_metadata: SamplingMetadata | None
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """A step's new tokens per sampled row ([rows, n] int64, -1 past a row's last: n is 1 but
+    in a verify step) and the logprobs of every sampled position, when a row asked."""
+
+    token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -153,8 +168,16 @@ class GPUModelRunner:
         self.slot_mappings: list[CpuGpuBuffer] = []  # one per KV-cache group
         self.query_start_loc = buffer(self.max_num_reqs + 1, torch.int32)
         self.seq_lens = buffer(self.max_num_reqs, torch.int32)
-        self.logits_indices = buffer(self.max_num_reqs, torch.int64)
+        num_logits_max = max(self.max_num_tokens, self.max_num_reqs)
+        self.logits_indices = buffer(num_logits_max, torch.int64)
         self.sample_rows = buffer(self.max_num_reqs, torch.int64)
+        # The batch row of each logits row (a verify step samples a row at each of its positions).
+        self.logits_rows = buffer(num_logits_max, torch.int64)
+        speculative = config.speculative_config
+        self.forced_acceptance = speculative.forced_acceptance if speculative is not None else None
+        self._forced_acceptance_rng: torch.Generator | None = None
+        if self.forced_acceptance is not None:
+            self._forced_acceptance_rng = torch.Generator(device).manual_seed(self.model_config.seed)
         # Where the previous step's sampled ids go in this step's input ids (async scheduling).
         self.prev_sampled_dst = buffer(self.max_num_reqs, torch.int64)
         self.prev_sampled_src = buffer(self.max_num_reqs, torch.int64)
@@ -469,9 +492,21 @@ class GPUModelRunner:
             if new_block_ids is not None:
                 batch.block_table.append_row(new_block_ids, row)
 
+        # Phase 6: draft tokens to verify, after each row's known tokens (not part of its history).
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        for req_id, token_ids in spec_tokens.items():
+            row = batch.get_req_index(req_id)
+            assert row is not None, f"drafts for {req_id!r}, which is not in the batch"
+            batch.update_req_spec_token_ids(row, token_ids)
         batch.condense()
-        # Phase 6 (spec decode) has no callback to return until speculative decoding lands.
-        return None
+        if not spec_tokens:
+            return None
+
+        def correct_spec_decode_token_counts() -> None:
+            """After the step: the drafts are spent (the accepted ones come back as its tokens)."""
+            batch.num_spec_tokens[: batch.num_reqs] = 0
+
+        return correct_spec_decode_token_counts
 
     def _new_grammar(self, params: SamplingParams) -> GrammarState | None:
         """A fresh grammar state for a structured request. The engine core compiled the grammar
@@ -548,8 +583,13 @@ class GPUModelRunner:
 
         seq_lens = num_computed + num_scheduled
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
-        num_sampled = len(sample_rows)
-        self.logits_indices.np[:num_sampled] = cu_num_tokens[sample_rows] - 1
+        # A verify row samples after its last known token and after each of its drafts.
+        num_drafts = batch.num_spec_tokens[sample_rows].astype(np.int64)
+        num_logits = num_drafts + 1
+        logits_start = np.cumsum(num_logits) - num_logits
+        num_sampled = int(num_logits.sum())
+        first_index = np.repeat(cu_num_tokens[sample_rows] - num_logits - logits_start, num_logits)
+        self.logits_indices.np[:num_sampled] = first_index + self._arange[:num_sampled]
 
         forward_context = self._build_attention_metadata(
             num_input_tokens, num_rows, num_scheduled, cu_num_tokens, seq_lens
@@ -563,7 +603,9 @@ class GPUModelRunner:
             num_scheduled_tokens=total,
             logits_indices=self.logits_indices.copy_to_gpu(num_sampled),
             sample_rows=sample_rows,
-            sampling_metadata=self._sampling_metadata(sample_rows) if self.is_last_stage else None,
+            num_drafts=num_drafts,
+            logits_start=logits_start,
+            sampling_metadata=self._sampling_metadata(sample_rows, num_drafts) if self.is_last_stage else None,
         )
 
     def _scatter_prev_sampled(
@@ -579,6 +621,8 @@ class GPUModelRunner:
             index = pending.index_of_req.get(req_id)
             if index is None:
                 continue
+            # A verify step's output is waited for before its request runs again (see Scheduler).
+            assert not pending.num_drafts[index], f"{req_id!r} scheduled behind its verify step"
             offset = int(pending.positions[index]) - int(num_computed[row])
             if 0 <= offset < num_scheduled[row]:
                 self.prev_sampled_dst.np[num] = first_token[row] + offset
@@ -586,18 +630,25 @@ class GPUModelRunner:
                 num += 1
         if num:
             assert pending.sampled_token_ids is not None
-            source = pending.sampled_token_ids[self.prev_sampled_src.copy_to_gpu(num)]
+            source = pending.sampled_token_ids[self.prev_sampled_src.copy_to_gpu(num), 0]
             input_ids.index_copy_(0, self.prev_sampled_dst.copy_to_gpu(num), source)
 
-    def _sampling_metadata(self, sample_rows: np.ndarray) -> SamplingMetadata | None:
-        """Sampling settings of the rows that sample, sent before the forward with the inputs."""
+    def _sampling_metadata(self, sample_rows: np.ndarray, num_drafts: np.ndarray) -> SamplingMetadata | None:
+        """Sampling settings of the rows that sample, sent before the forward with the inputs:
+        in a verify step one entry per position (see `SamplingBatch.metadata`)."""
         if len(sample_rows) == 0:
             return None
         rows_device = None
         if len(sample_rows) != self.input_batch.num_reqs:
             self.sample_rows.np[: len(sample_rows)] = sample_rows
             rows_device = self.sample_rows.copy_to_gpu(len(sample_rows))
-        return self.input_batch.sampling_metadata(sample_rows, rows_device)
+        if not num_drafts.any():
+            return self.input_batch.sampling_metadata(sample_rows, rows_device)
+        num_logits = num_drafts + 1
+        logits_rows = np.repeat(sample_rows, num_logits)
+        offsets = self._arange[: len(logits_rows)] - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+        self.logits_rows.np[: len(logits_rows)] = logits_rows
+        return self.input_batch.sampling_metadata(logits_rows, self.logits_rows.copy_to_gpu(len(logits_rows)), offsets)
 
     def _build_attention_metadata(
         self,
@@ -677,9 +728,10 @@ class GPUModelRunner:
         """Tokens the forward of this step runs on, padding included: what stages hand each other."""
         return self._determine_batch_execution_and_padding(scheduler_output).num_input_tokens
 
-    def _sample(self, hidden_states: torch.Tensor, inputs: PreparedInputs) -> SamplerOutput | None:
+    def _sample(self, hidden_states: torch.Tensor, inputs: PreparedInputs) -> StepTokens | None:
         """Logits only at the positions that sample; partial prefill chunks sample nothing
-        (but score their prompt tokens for requests that asked for prompt logprobs)."""
+        (but score their prompt tokens for requests that asked for prompt logprobs). A verify
+        step keeps the drafts the model's own samples agree with (`verify_drafts`)."""
         self._score_prompt_tokens(hidden_states)
         metadata = inputs.sampling_metadata
         if metadata is None:
@@ -687,12 +739,31 @@ class GPUModelRunner:
         assert self.model is not None
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         output = self.sampler(logits, metadata)
+        if inputs.num_drafts.any():
+            token_ids = verify_drafts(
+                output.sampled_token_ids,
+                torch.from_numpy(inputs.logits_start).to(self.device),
+                self._draft_tensor(inputs.sample_rows, inputs.num_drafts),
+                self.forced_acceptance,
+                self._forced_acceptance_rng,
+            )
+        else:
+            token_ids = output.sampled_token_ids[:, None]
         sample_rows = inputs.sample_rows
         rows_device = (
             None if len(sample_rows) == self.input_batch.num_reqs else self.sample_rows.gpu[: len(sample_rows)]
         )
-        self.input_batch.sampling.record_sampled(sample_rows, rows_device, output.sampled_token_ids)
-        return output
+        self.input_batch.sampling.record_sampled(sample_rows, rows_device, token_ids)
+        return StepTokens(token_ids, output.logprobs)
+
+    def _draft_tensor(self, sample_rows: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor:
+        """[rows, most drafts] int64 on the device: each sampled row's drafts, -1 padded."""
+        batch = self.input_batch
+        width = int(num_drafts.max())
+        columns = batch.num_tokens[sample_rows][:, None].astype(np.int64) + self._arange[:width]
+        drafts = batch.token_ids_cpu[sample_rows[:, None], columns].astype(np.int64)
+        drafts[self._arange[:width] >= num_drafts[:, None]] = -1
+        return torch.from_numpy(drafts).to(self.device)
 
     def _score_prompt_tokens(self, hidden_states: torch.Tensor) -> None:
         """Fill the prompt-logprobs buffers of the rows that asked, for the prompt tokens this step's chunk scores."""
@@ -731,12 +802,13 @@ class GPUModelRunner:
             first += count
 
     def _bookkeeping_sync(
-        self, inputs: PreparedInputs, sampler_output: SamplerOutput | None
+        self, inputs: PreparedInputs, sampler_output: StepTokens | None
     ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
         """Record the step in the batch and start the sampled ids' trip to the host.
 
         The host does not wait for them: each sampled row gets a placeholder token, replaced
-        when the output is resolved (`_record_sampled_tokens`).
+        when the output is resolved (`_record_sampled_tokens`). A verify row's tokens, as many
+        as it accepted, are appended then (it does not run again before).
         """
         batch = self.input_batch
         req_ids = list(batch.req_ids)
@@ -748,8 +820,9 @@ class GPUModelRunner:
             )
         sample_rows = inputs.sample_rows
         positions = batch.num_tokens[sample_rows].copy()
-        batch.append_sampled_tokens(sample_rows, PLACEHOLDER_TOKEN_ID)
-        for row in sample_rows.tolist():
+        plain_rows = sample_rows[inputs.num_drafts == 0]
+        batch.append_sampled_tokens(plain_rows, PLACEHOLDER_TOKEN_ID)
+        for row in plain_rows.tolist():
             self.requests[req_ids[row]].output_token_ids.append(PLACEHOLDER_TOKEN_ID)
         # A request's prompt is complete once it samples: deliver its prompt logprobs now, once.
         prompt_logprobs: dict[str, LogprobsArrays] = {}
@@ -764,7 +837,9 @@ class GPUModelRunner:
             req_ids=req_ids,
             sample_rows=sample_rows,
             positions=positions,
-            sampled_token_ids=sampler_output.sampled_token_ids,
+            num_drafts=inputs.num_drafts,
+            logits_start=inputs.logits_start,
+            sampled_token_ids=sampler_output.token_ids,
             logprobs=sampler_output.logprobs,
             prompt_logprobs=prompt_logprobs,
             copy_stream=self._copy_stream,
@@ -774,18 +849,23 @@ class GPUModelRunner:
         return output
 
     def _record_sampled_tokens(self, output: AsyncGPUModelRunnerOutput, sampled: np.ndarray) -> None:
-        """Put a resolved step's ids where its placeholders are, wherever its requests now live."""
+        """Put a resolved step's ids where its placeholders are, wherever its requests now live;
+        append a verify row's tokens."""
         batch = self.input_batch
         grammars: list[GrammarState] = []
         grammar_tokens: list[int] = []
-        for row, position, token_id in zip(
-            output.sample_rows.tolist(), output.positions.tolist(), sampled.tolist(), strict=True
+        for row, position, num_drafts, tokens in zip(
+            output.sample_rows.tolist(), output.positions.tolist(), output.num_drafts.tolist(), sampled, strict=True
         ):
             req_id = output.req_ids[row]
             state = self.requests.get(req_id)
             if state is None:
                 continue  # finished since
             index = position - len(state.prompt_token_ids)
+            if num_drafts:
+                self._append_verified(state, index, position, tokens[tokens >= 0].tolist())
+                continue
+            token_id = int(tokens[0])
             if index < len(state.output_token_ids):
                 state.output_token_ids[index] = token_id
             if state.grammar is not None and index == len(state.grammar.accepted):
@@ -796,6 +876,17 @@ class GPUModelRunner:
                 batch.token_ids_cpu[now, position] = token_id
         if grammars:
             self._grammar_batch().accept(grammars, grammar_tokens)
+
+    def _append_verified(self, state: CachedRequestState, index: int, position: int, token_ids: list[int]) -> None:
+        """A verify step's tokens join the request's history (and its batch row, if it has one)."""
+        if index != len(state.output_token_ids):
+            return  # preempted and resumed since: the scheduler sent the history it kept
+        state.output_token_ids.extend(token_ids)
+        batch = self.input_batch
+        row = batch.get_req_index(state.req_id)
+        if row is not None and batch.num_tokens[row] == position:
+            batch.token_ids_cpu[row, position : position + len(token_ids)] = token_ids
+            batch.num_tokens[row] += len(token_ids)
 
     def _resolve_pending_output(self) -> None:
         """Wait for the previous step's ids, for work that needs the host's token history."""
@@ -831,7 +922,8 @@ class GPUModelRunner:
         # first waits for this step's sampled ids, which come after the sampler on the stream.
         bitmask = self._grammar_bitmask
         self._grammar_batch().fill_bitmask([grammar for _, grammar in constrained], bitmask)
-        rows = torch.tensor([index for index, _ in constrained], dtype=torch.int64)
+        # Their rows among the logits (constrained rows draft nothing: one position each).
+        rows = torch.tensor([inputs.logits_start[index] for index, _ in constrained], dtype=torch.int64)
         metadata.grammar_bitmask = TokenBitmask(
             rows=rows.to(self.device, non_blocking=True),
             words=bitmask[: len(constrained)].to(self.device, non_blocking=True),

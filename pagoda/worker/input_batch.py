@@ -68,10 +68,12 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        # Draft tokens of this step (speculative decoding), written after the row's tokens.
+        self.num_spec_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.sampling = SamplingBatch(max_num_reqs, vocab_size, device, pin_memory)
         # One block table per KV-cache group.
         self.block_table = MultiGroupBlockTable(max_num_reqs, max_model_len, block_sizes, device, pin_memory)
-        self._row_arrays = (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens)
+        self._row_arrays = (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_spec_tokens)
 
     @property
     def num_reqs(self) -> int:
@@ -102,6 +104,7 @@ class InputBatch:
         self.num_tokens[row] = num_tokens
         self.num_prompt_tokens[row] = num_prompt
         self.num_computed_tokens[row] = state.num_computed_tokens
+        self.num_spec_tokens[row] = 0
 
         self.sampling.add_row(
             row,
@@ -144,7 +147,7 @@ class InputBatch:
         self.req_id_to_index[req_id] = dst
         for array in self._row_arrays:
             array[dst] = array[src]
-        num_tokens = self.num_tokens[src]
+        num_tokens = self.num_tokens[src] + self.num_spec_tokens[src]
         self.token_ids_cpu[dst, :num_tokens] = self.token_ids_cpu[src, :num_tokens]
         self.block_table.move_row(src, dst)
         self.sampling.move_row(src, dst)
@@ -161,15 +164,29 @@ class InputBatch:
             self._move_row(last, hole)
             last -= 1
 
+    def update_req_spec_token_ids(self, row: int, token_ids: list[int]) -> None:
+        """The row's draft tokens for this step, after its known tokens (not part of its history)."""
+        start = int(self.num_tokens[row])
+        self.token_ids_cpu[row, start : start + len(token_ids)] = token_ids
+        self.num_spec_tokens[row] = len(token_ids)
+
     def append_sampled_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Record one sampled token for each of `rows` (vectorized, no loop over rows)."""
         self.token_ids_cpu[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
 
-    def sampling_metadata(self, sample_rows: np.ndarray, sample_rows_device: torch.Tensor | None) -> SamplingMetadata:
+    def sampling_metadata(
+        self, sample_rows: np.ndarray, sample_rows_device: torch.Tensor | None, draft_offsets: np.ndarray | None = None
+    ) -> SamplingMetadata:
         """Sampling settings of the rows that sample this step (see `SamplingBatch.metadata`)."""
         return self.sampling.metadata(
-            sample_rows, sample_rows_device, self.num_reqs, self.token_ids_cpu, self.num_tokens, self.num_prompt_tokens
+            sample_rows,
+            sample_rows_device,
+            self.num_reqs,
+            self.token_ids_cpu,
+            self.num_tokens,
+            self.num_prompt_tokens,
+            draft_offsets,
         )
 
     def check_consistency(self, requests: dict[str, CachedRequestState]) -> None:

@@ -14,11 +14,20 @@ import torch
 from pagoda.sample.metadata import TokenEntries
 
 
-def sample_index_of_rows(sample_rows: np.ndarray, num_rows: int) -> np.ndarray:
-    """[num_rows] int64: each batch row's index among the step's sampled rows, -1 if it does not sample."""
-    index = np.full(num_rows, -1, dtype=np.int64)
-    index[sample_rows] = np.arange(len(sample_rows))
-    return index
+def expand_to_samples(entry_rows: np.ndarray, sample_rows: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Entries keyed by batch row, paired with every sampled index of their row: (entry index,
+    sampled index) per pair; entries of rows that do not sample drop out.
+
+    A row samples once, or once per position of a verify step (speculative decoding), at
+    consecutive sampled indices.
+    """
+    count = np.bincount(sample_rows, minlength=num_rows)
+    first = np.full(num_rows, -1, dtype=np.int64)
+    first[sample_rows[::-1]] = np.arange(len(sample_rows) - 1, -1, -1)
+    per_entry = count[entry_rows]
+    entry_index = np.repeat(np.arange(len(entry_rows)), per_entry)
+    within = np.arange(len(entry_index)) - np.repeat(np.cumsum(per_entry) - per_entry, per_entry)
+    return entry_index, first[entry_rows][entry_index] + within
 
 
 class RowTokenLists:
@@ -71,9 +80,8 @@ class RowTokenLists:
                 self._device_entries = self._to_device(*self.flat())
             return self._device_entries
         rows, token_ids, values = self.flat()
-        index = sample_index_of_rows(sample_rows, len(self.present))[rows]
-        keep = index >= 0
-        return self._to_device(index[keep], token_ids[keep], values[keep])
+        entry, index = expand_to_samples(rows, sample_rows, len(self.present))
+        return self._to_device(index, token_ids[entry], values[entry])
 
     def _to_device(self, rows: np.ndarray, token_ids: np.ndarray, values: np.ndarray) -> TokenEntries:
         def send(array: np.ndarray) -> torch.Tensor:
@@ -124,20 +132,20 @@ class BadWords:
         self,
         sample_rows: np.ndarray,
         token_ids: np.ndarray,
-        num_tokens: np.ndarray,
+        sample_ends: np.ndarray,
         num_prompt_tokens: np.ndarray,
     ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(sampled row index, token id) of every word whose prefix ends the row's output now: of
-        the one-token words (banned at every step), then of the longer ones (banned after their prefix)."""
+        """(sampled row index, token id) of every word whose prefix ends the row's history before
+        the sampled position (`sample_ends`, per sampled index): of the one-token words (banned at
+        every step), then of the longer ones (banned after their prefix)."""
         word_rows, prefixes, prefix_lens, last_tokens = self._flatten()
-        index = sample_index_of_rows(sample_rows, len(self.present))[word_rows]
-        keep = index >= 0
-        rows, prefixes = word_rows[keep], prefixes[keep]
+        entry, index = expand_to_samples(word_rows, sample_rows, len(self.present))
+        rows, prefixes, prefix_lens = word_rows[entry], prefixes[entry], prefix_lens[entry]
         width = prefixes.shape[1]
-        ends = num_tokens[rows].astype(np.int64)
+        ends = sample_ends[index].astype(np.int64)
         columns = np.maximum(ends[:, None] - width + np.arange(width), 0)
         history = token_ids[rows[:, None], columns]
         matched = ((history == prefixes) | (prefixes < 0)).all(axis=1)
-        matched &= ends - num_prompt_tokens[rows] >= prefix_lens[keep]
-        rows, tokens, single = index[keep][matched], last_tokens[keep][matched], prefix_lens[keep][matched] == 0
+        matched &= ends - num_prompt_tokens[rows] >= prefix_lens
+        rows, tokens, single = index[matched], last_tokens[entry][matched], prefix_lens[matched] == 0
         return [(rows[single], tokens[single]), (rows[~single], tokens[~single])]

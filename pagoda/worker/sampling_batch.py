@@ -18,10 +18,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pagoda.config import MAX_SPECULATIVE_TOKENS
 from pagoda.sample.metadata import PenaltyMetadata, SamplingMetadata, TokenEntries
 from pagoda.sample.ops import GREEDY_TEMPERATURE
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.row_tokens import BadWords, RowTokenLists, sample_index_of_rows
+from pagoda.worker.row_tokens import BadWords, RowTokenLists, expand_to_samples
 
 # Marks an unused per-row count setting (logprobs, prompt logprobs).
 OFF = -1
@@ -83,8 +84,10 @@ class SamplingBatch:
         self.output_token_counts: torch.Tensor | None = None  # [max_num_reqs, V] int32
         self.prompt_token_mask: torch.Tensor | None = None  # [max_num_reqs, V] bool
         self._ones = torch.ones(max_num_reqs, dtype=torch.int32, device=device)
-        self._output_positions_cpu = pinned(torch.int64)
-        self._output_positions = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        # One entry per sampled position: a verify step samples a row at up to 1 + k positions.
+        max_positions = max_num_reqs * (1 + MAX_SPECULATIVE_TOKENS)
+        self._output_positions_cpu = torch.zeros(max_positions, dtype=torch.int64, pin_memory=pin_memory)
+        self._output_positions = torch.zeros(max_positions, dtype=torch.int64, device=device)
 
     # ---- rows joining, leaving and moving ----------------------------------------------------
 
@@ -171,17 +174,16 @@ class SamplingBatch:
     def record_sampled(
         self, sample_rows: np.ndarray, sample_rows_device: torch.Tensor | None, sampled: torch.Tensor
     ) -> None:
-        """Count the step's sampled tokens for the penalties (on the device; skipped when no row needs it)."""
+        """Count the step's new tokens for the penalties (on the device; skipped when no row needs
+        it). `sampled`: [len(sample_rows), n] int64, each row's tokens, -1 past its last."""
         if not self.uses_penalties[sample_rows].any():
             return
-        num_sampled = len(sample_rows)
-        if sample_rows_device is None:
-            counts = self.output_token_counts[:num_sampled]
-            counts.scatter_add_(1, sampled[:, None], self._ones[:num_sampled, None])
-        else:
-            self.output_token_counts.index_put_(
-                (sample_rows_device, sampled), self._ones[:num_sampled], accumulate=True
-            )
+        num_sampled, width = sampled.shape
+        rows = torch.arange(num_sampled, device=sampled.device) if sample_rows_device is None else sample_rows_device
+        # Padding (-1) adds 0 to token 0: no mask, so no device sync.
+        self.output_token_counts.index_put_(
+            (rows[:, None].expand(-1, width), sampled.clamp(min=0)), (sampled >= 0).to(torch.int32), accumulate=True
+        )
 
     def metadata(
         self,
@@ -191,18 +193,26 @@ class SamplingBatch:
         token_ids: np.ndarray,
         num_tokens: np.ndarray,
         num_prompt_tokens: np.ndarray,
+        draft_offsets: np.ndarray | None = None,
     ) -> SamplingMetadata:
         """Settings of the rows that sample this step, given the batch's token history.
 
         `sample_rows_device` is None when every row in [0, len(sample_rows)) samples in
         order, the common decode case: then the device mirrors are sliced, not gathered.
+        In a verify step (speculative decoding) a row samples at each of its positions: it is
+        listed once per position, `draft_offsets` giving the position's index after the row's
+        last known token. Each position sees the drafts before it (written after the row's
+        tokens in `token_ids`) as output: its output position, min_tokens, bad words and
+        penalty counts are those of the model's sample there had the drafts before it held.
         """
         if self._device_dirty:
             for name, host in self._host.items():
                 self._device[name][:num_reqs].copy_(host[:num_reqs], non_blocking=True)
             self._device_dirty = False
         num_sampled = len(sample_rows)
-        num_output = num_tokens[sample_rows] - num_prompt_tokens[sample_rows]
+        offsets = np.zeros(num_sampled, dtype=np.int64) if draft_offsets is None else draft_offsets
+        sample_ends = num_tokens[sample_rows] + offsets
+        num_output = sample_ends - num_prompt_tokens[sample_rows]
         self._output_positions_cpu.numpy()[:num_sampled] = num_output
         self._output_positions[:num_sampled].copy_(self._output_positions_cpu[:num_sampled], non_blocking=True)
         in_row_order = sample_rows_device is None
@@ -228,11 +238,11 @@ class SamplingBatch:
             output_positions=self._output_positions[:num_sampled],
             allowed_token_ids=self.allowed_token_ids.entries(sample_rows, in_row_order) if allowed else None,
             allowed_rows=rows_of(device["restricted"]) if allowed else None,
-            banned_token_ids=self._banned(sample_rows, num_output, token_ids, num_tokens, num_prompt_tokens),
+            banned_token_ids=self._banned(sample_rows, num_output, token_ids, sample_ends, num_prompt_tokens),
             logit_bias=self.logit_bias.entries(sample_rows, in_row_order)
             if self.logit_bias.present[sample_rows].any()
             else None,
-            penalties=self._penalties(sample_rows, rows_of),
+            penalties=self._penalties(sample_rows, rows_of, token_ids, num_tokens, offsets),
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs != OFF).any() else None,
         )
 
@@ -241,7 +251,7 @@ class SamplingBatch:
         sample_rows: np.ndarray,
         num_output: np.ndarray,
         token_ids: np.ndarray,
-        num_tokens: np.ndarray,
+        sample_ends: np.ndarray,
         num_prompt_tokens: np.ndarray,
     ) -> TokenEntries | None:
         """Stop tokens of rows still short of min_tokens, and bad words whose prefix the output ends with.
@@ -254,7 +264,7 @@ class SamplingBatch:
             return None
         layers = [self._hidden_stops(sample_rows, hiding_stops)]
         if has_bad_words:
-            layers += self.bad_words.banned(sample_rows, token_ids, num_tokens, num_prompt_tokens)
+            layers += self.bad_words.banned(sample_rows, token_ids, sample_ends, num_prompt_tokens)
         rows, banned_ids = self._yielding_bans(sample_rows, layers)
         return TokenEntries(
             rows=torch.from_numpy(rows).to(self.device, non_blocking=True),
@@ -264,10 +274,9 @@ class SamplingBatch:
     def _hidden_stops(self, sample_rows: np.ndarray, hiding_stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sampled row index, token id) of the stop tokens that min_tokens hides this step."""
         stop_rows, stop_ids, _ = self.min_tokens_stop_ids.flat()
-        index = sample_index_of_rows(sample_rows, self.max_num_reqs)[stop_rows]
-        keep = index >= 0
-        keep[keep] = hiding_stops[index[keep]]
-        return index[keep], stop_ids[keep]
+        entry, index = expand_to_samples(stop_rows, sample_rows, self.max_num_reqs)
+        keep = hiding_stops[index]
+        return index[keep], stop_ids[entry][keep]
 
     def _yielding_bans(
         self, sample_rows: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]]
@@ -306,7 +315,12 @@ class SamplingBatch:
         return len(np.unique(banned_ids)) >= self.vocab_size
 
     def _penalties(
-        self, sample_rows: np.ndarray, rows_of: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        sample_rows: np.ndarray,
+        rows_of: Callable[[torch.Tensor], torch.Tensor],
+        token_ids: np.ndarray,
+        num_tokens: np.ndarray,
+        offsets: np.ndarray,
     ) -> PenaltyMetadata | None:
         if not self.uses_penalties[sample_rows].any():
             return None
@@ -315,8 +329,19 @@ class SamplingBatch:
         uses_repetition = (self.repetition_penalty[sample_rows] != 1.0).any()
         uses_presence = (self.presence_penalty[sample_rows] != 0.0).any()
         uses_frequency = (self.frequency_penalty[sample_rows] != 0.0).any()
+        counts = rows_of(self.output_token_counts)
+        if offsets.any():  # a gathered copy (rows repeat): add the drafts before each position
+            index = np.repeat(np.arange(len(offsets)), offsets)
+            within = np.arange(len(index)) - np.repeat(np.cumsum(offsets) - offsets, offsets)
+            rows = sample_rows[index]
+            drafts = torch.from_numpy(token_ids[rows, num_tokens[rows] + within].astype(np.int64))
+            counts.index_put_(
+                (torch.from_numpy(index).to(self.device), drafts.to(self.device)),
+                self._ones[:1].expand(len(index)),
+                accumulate=True,
+            )
         return PenaltyMetadata(
-            output_token_counts=rows_of(self.output_token_counts),
+            output_token_counts=counts,
             prompt_token_mask=rows_of(self.prompt_token_mask) if uses_repetition else None,
             presence_penalty=rows_of(device["presence_penalty"]) if uses_presence else None,
             frequency_penalty=rows_of(device["frequency_penalty"]) if uses_frequency else None,

@@ -35,7 +35,7 @@ def sample_step(
     rows_device = None if in_order else torch.from_numpy(rows)
     batch.sampling_metadata(rows, rows_device)
     sampled = rng.integers(0, VOCAB, len(rows))
-    batch.sampling.record_sampled(rows, rows_device, torch.from_numpy(sampled))
+    batch.sampling.record_sampled(rows, rows_device, torch.from_numpy(sampled)[:, None])
     batch.append_sampled_tokens(rows, sampled)
     for row, token in zip(rows.tolist(), sampled.tolist(), strict=True):
         requests[batch.req_ids[row]].output_token_ids.append(token)

@@ -1,0 +1,99 @@
+"""N-gram prompt lookup: draft what followed an earlier occurrence of the request's last n tokens.
+
+The scheduler proposes, from the token history it holds (prompt and outputs). Under async
+scheduling a request whose previous (plain) step is still in flight has one token the host does
+not know yet: it is proposed for from that one-step-stale history, drafting k + 1 tokens and
+dropping the first (the guess of the token in flight), so a draft run is wasted whenever that
+guess is wrong. Matching on the device instead would need the device to hold every request's
+history; the stale proposal costs acceptance only on steps after a miss (measured in
+tests/spec_decode/test_ngram_async_cost.py). A verify step in flight is never proposed past:
+the scheduler waits for its accepted count (see `Scheduler`).
+
+Matching is vectorized over the batch with NumPy: one pass per n (longest first) compares
+every window of every row's history with the row's suffix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def propose_ngram(
+    tokens: np.ndarray, lengths: np.ndarray, min_n: int, max_n: int, num_drafts: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Drafts for each row of `tokens` ([R, L], row r's history in its first `lengths[r]` entries).
+
+    For n from `max_n` down to `min_n`, a row whose last n tokens occur earlier in its history
+    (its first occurrence, which has the longest continuation) drafts up to
+    `num_drafts` tokens that followed it. Returns (drafts [R, num_drafts] int64, -1 padded;
+    counts [R]); a row without any match drafts nothing.
+    """
+    num_rows = len(lengths)
+    drafts = np.full((num_rows, num_drafts), -1, dtype=np.int64)
+    counts = np.zeros(num_rows, dtype=np.int64)
+    if num_rows == 0:
+        return drafts, counts
+    lengths = lengths.astype(np.int64)
+    width = int(lengths.max())
+    history = tokens[:, :width]
+    rows = np.arange(num_rows)
+    start = np.full(num_rows, -1, dtype=np.int64)  # where the drafted continuation begins
+    for n in range(max_n, min_n - 1, -1):
+        open_rows = (start < 0) & (lengths > n)
+        if width <= n or not open_rows.any():
+            continue
+        suffix = history[rows[:, None], np.maximum(lengths[:, None] - n + np.arange(n), 0)]
+        windows = sliding_window_view(history, n, axis=1)[:, : width - n]  # windows with a token after them
+        matches = (windows == suffix[:, None, :]).all(axis=2)
+        matches &= np.arange(width - n) < (lengths - n)[:, None]  # before the suffix itself
+        matched = open_rows & matches.any(axis=1)
+        start[matched] = np.argmax(matches, axis=1)[matched] + n
+    found = start >= 0
+    counts[found] = np.minimum(num_drafts, lengths[found] - start[found])
+    columns = start[:, None] + np.arange(num_drafts)
+    valid = found[:, None] & (np.arange(num_drafts) < counts[:, None])
+    drafts[valid] = history[rows[:, None], np.minimum(columns, width - 1)][valid]
+    return drafts, counts
+
+
+class NgramProposer:
+    """Slot-indexed token histories of the running requests, and the proposals over them.
+
+    A request's history is copied in once when it gets a slot and then extended by the tokens
+    that arrived since (`sync`), so no step re-reads a whole history.
+    """
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._tokens = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
+        self._lengths = np.zeros(max_num_seqs, dtype=np.int64)
+        self._slots: dict[str, int] = {}
+        self._free = list(range(max_num_seqs - 1, -1, -1))
+
+    def sync(self, req_id: str, all_token_ids: list[int]) -> int:
+        """Bring the request's slot up to `all_token_ids` (taking a slot if it has none); its slot."""
+        slot = self._slots.get(req_id)
+        if slot is None:
+            slot = self._slots[req_id] = self._free.pop()
+            self._lengths[slot] = 0
+        have, total = int(self._lengths[slot]), len(all_token_ids)
+        if total > have:
+            self._tokens[slot, have:total] = all_token_ids[have:]
+            self._lengths[slot] = total
+        return slot
+
+    def remove(self, req_id: str) -> None:
+        slot = self._slots.pop(req_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def propose(self, slots: list[int], num_drafts: int) -> tuple[np.ndarray, np.ndarray]:
+        """`propose_ngram` over the given slots' histories."""
+        index = np.asarray(slots, dtype=np.int64)
+        return propose_ngram(self._tokens[index], self._lengths[index], self.min_n, self.max_n, num_drafts)
+
+    @property
+    def req_ids(self) -> list[str]:
+        """The requests holding a slot."""
+        return sorted(self._slots)

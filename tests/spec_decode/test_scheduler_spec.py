@@ -1,0 +1,143 @@
+"""The scheduler's side of speculative decoding, with hand-made runner outputs: draft slots
+reserved and budgeted, rejected ones taken back and never cached, length caps, waiting for a
+verify step in flight."""
+
+from __future__ import annotations
+
+from kv_cache_utils import kv_cache_config
+
+from pagoda.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from pagoda.outputs import ModelRunnerOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler.output import SchedulerOutput
+from pagoda.scheduler.request import Request
+from pagoda.scheduler.scheduler import Scheduler
+
+BLOCK_SIZE = 4
+K = 3
+# Repeats: after it, n-gram lookup of [1, 2] drafts [3, 4, 1].
+PROMPT = [1, 2, 3, 4, 1, 2]
+
+
+def make_scheduler(budget: int = 64, num_blocks: int = 32, max_model_len: int = 64) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=max_model_len),
+        CacheConfig(block_size=BLOCK_SIZE),
+        kv_cache_config(num_blocks, BLOCK_SIZE),
+        speculative_config=SpeculativeConfig("ngram", K, prompt_lookup_min=2, prompt_lookup_max=3),
+    )
+
+
+def add(scheduler: Scheduler, req_id: str, prompt: list[int] = PROMPT, max_tokens: int = 32) -> Request:
+    request = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), eos_token_ids=set())
+    scheduler.add_request(request)
+    return request
+
+
+def output(so: SchedulerOutput, tokens: dict[str, list[int]]) -> ModelRunnerOutput:
+    req_ids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=[tokens.get(req_id, []) for req_id in req_ids],
+    )
+
+
+def num_blocks_held(scheduler: Scheduler, request: Request) -> int:
+    return scheduler.kv_cache_manager.num_held_blocks(request)[0]
+
+
+def test_drafts_are_scheduled_budgeted_and_rejected_ones_taken_back() -> None:
+    scheduler = make_scheduler()
+    request = add(scheduler, "a")
+    prefill = scheduler.schedule()
+    assert prefill.scheduled_spec_decode_tokens == {}  # a prefill step drafts nothing
+    scheduler.update_from_output(prefill, output(prefill, {"a": [3]}))  # history ... 1, 2, 3: drafts 4, 1, 2
+
+    verify = scheduler.schedule()
+    assert verify.scheduled_spec_decode_tokens == {"a": [4, 1, 2]}
+    assert verify.num_scheduled_tokens == {"a": 1 + K} and verify.total_num_scheduled_tokens == 1 + K
+    assert request.num_computed_tokens == len(PROMPT) + 1 + K  # slots for every draft
+    assert num_blocks_held(scheduler, request) == 3  # 10 tokens of KV in blocks of 4
+
+    # The model agreed with the first draft only: tokens 4 (accepted) and 9 (its own).
+    scheduler.update_from_output(verify, output(verify, {"a": [4, 9]}))
+    assert request.output_token_ids == [3, 4, 9]
+    assert request.num_computed_tokens == len(PROMPT) + 2  # the last token is not computed yet
+    stats = scheduler.make_stats().spec_decoding
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_position) == (3, 1, [1, 0, 0])
+    assert stats.mean_accepted_length == 2.0 and abs(stats.acceptance_rate - 1 / 3) < 1e-9
+    # Nothing past the verified tokens is cached (the third block holds rejected drafts' KV).
+    cached = scheduler.kv_cache_manager.managers[0].num_cached_blocks
+    so = scheduler.schedule()
+    assert so.scheduled_spec_decode_tokens == {}  # ... 3, 4, 9: no match
+    scheduler.update_from_output(so, output(so, {"a": [1]}))
+    assert cached["a"] == 2 == request.num_computed_tokens // BLOCK_SIZE
+    scheduler.finish_requests("a", request.status.FINISHED_ABORTED)
+    scheduler.schedule()
+    scheduler.check_idle()
+
+
+def test_drafts_stop_at_max_tokens_max_model_len_and_the_budget() -> None:
+    scheduler = make_scheduler()
+    capped = add(scheduler, "a", max_tokens=3)
+    scheduler.update_from_output(so := scheduler.schedule(), output(so, {"a": [3]}))
+    so = scheduler.schedule()
+    # 2 outputs left: at most one draft (it and the model's token after it).
+    assert so.scheduled_spec_decode_tokens == {"a": [4]}
+    scheduler.update_from_output(so, output(so, {"a": [4, 1]}))
+    assert capped.is_finished and capped.num_output_tokens == 3
+
+    short = make_scheduler(max_model_len=10)
+    request = add(short, "c")  # 6 prompt tokens, max_model_len 10: at most 4 tokens
+    short.update_from_output(so := short.schedule(), output(so, {"c": [3]}))
+    so = short.schedule()
+    assert so.scheduled_spec_decode_tokens == {"c": [4, 1]}  # and the model's token: 10 tokens
+    short.update_from_output(so, output(so, {"c": [4, 1, 2]}))
+    assert request.is_finished and request.num_tokens == 10
+
+    tight = make_scheduler(budget=6)
+    add(tight, "d")
+    add(tight, "e")
+    tight.update_from_output(so := tight.schedule(), output(so, {"d": [3]}))  # d's prefill fills the budget
+    so = tight.schedule()  # d decodes (1 + 3 drafts), e's prefill gets the 2 tokens left
+    assert so.num_scheduled_tokens == {"d": 4, "e": 2} and so.total_num_scheduled_tokens == 6
+    tight2 = make_scheduler(budget=6)
+    add(tight2, "f", prompt=[9, 9, 9, 9, 9])
+    tight2.update_from_output(so := tight2.schedule(), output(so, {"f": [9]}))
+    add(tight2, "g", prompt=[1, 2, 3, 4, 5])
+    so = tight2.schedule()  # f first: its drafts take what the budget has, then g's prefill
+    assert so.scheduled_spec_decode_tokens == {"f": [9, 9, 9]} and so.num_scheduled_tokens["g"] == 2
+    tight3 = make_scheduler(budget=3)
+    add(tight3, "h", prompt=[9] * 6)
+    tight3.update_from_output(so := tight3.schedule(), output(so, {}))  # the prompt in chunks of 3
+    tight3.update_from_output(so := tight3.schedule(), output(so, {"h": [9]}))
+    assert tight3.schedule().scheduled_spec_decode_tokens == {"h": [9, 9]}  # 3 tokens: 1 + 2 drafts
+
+
+def test_a_request_waits_for_its_verify_step_but_not_for_a_plain_one() -> None:
+    """With a batch queue of depth 2: the next step is scheduled before the last one's output."""
+    scheduler = make_scheduler()
+    request = add(scheduler, "a")
+    first = scheduler.schedule()  # prefill: samples token 3, still in flight
+    second = scheduler.schedule()
+    # Proposed from the stale history (it ends at 2): drafts 3, 4, 1, 2 less the guess 3.
+    assert second.scheduled_spec_decode_tokens == {"a": [4, 1, 2]}
+    third = scheduler.schedule()
+    assert third.num_scheduled_tokens == {}  # its verify step decides where it goes on
+    scheduler.update_from_output(first, output(first, {"a": [3]}))
+    scheduler.update_from_output(second, output(second, {"a": [4, 1, 2, 3]}))  # all accepted
+    assert request.output_token_ids == [3, 4, 1, 2, 3]
+    assert request.num_computed_tokens == request.num_tokens - 1
+    assert scheduler.schedule().scheduled_spec_decode_tokens["a"]
+
+
+def test_no_room_for_the_drafts_schedules_the_plain_step() -> None:
+    # 3 usable blocks of 4: the prompt and first token fill 7 slots; drafts would need a third... and a fourth.
+    scheduler = make_scheduler(num_blocks=3)
+    request = add(scheduler, "a", max_tokens=2)
+    scheduler.update_from_output(so := scheduler.schedule(), output(so, {"a": [3]}))
+    so = scheduler.schedule()
+    assert so.scheduled_spec_decode_tokens == {} and so.num_scheduled_tokens == {"a": 1}
+    scheduler.update_from_output(so, output(so, {"a": [4]}))
+    assert request.is_finished
