@@ -81,6 +81,26 @@ class ServerMetrics:
             "Requests refused because the waiting queue was full (--max-num-queued-requests).",
             registry=registry,
         )
+        self.spec_draft_tokens = Counter(
+            "pagoda:spec_decode_num_draft_tokens", "Draft tokens proposed (speculative decoding).", registry=registry
+        )
+        self.spec_accepted_tokens = Counter(
+            "pagoda:spec_decode_num_accepted_tokens", "Draft tokens the model accepted.", registry=registry
+        )
+        self.spec_acceptance_rate = Gauge(
+            "pagoda:spec_decode_acceptance_rate", "Accepted over proposed draft tokens, since start.", registry=registry
+        )
+        self.spec_mean_accepted_length = Gauge(
+            "pagoda:spec_decode_mean_accepted_length",
+            "Tokens a verify step emits on average (accepted drafts plus the model's own), since start.",
+            registry=registry,
+        )
+        self.spec_position_acceptance = Gauge(
+            "pagoda:spec_decode_per_position_acceptance_rate",
+            "Acceptance of the draft at each position (0-based), since start.",
+            ["position"],
+            registry=registry,
+        )
         self._last_stats: SchedulerStats | None = None
 
     def observe_output(self, times: RequestTimes, output: RequestOutput, now: float) -> None:
@@ -113,6 +133,17 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
         self.preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        spec = stats.spec_decoding
+        if spec is not None:
+            last_spec = last.spec_decoding if last is not None else None
+            self.spec_draft_tokens.inc(spec.num_draft_tokens - (last_spec.num_draft_tokens if last_spec else 0))
+            self.spec_accepted_tokens.inc(
+                spec.num_accepted_tokens - (last_spec.num_accepted_tokens if last_spec else 0)
+            )
+            self.spec_acceptance_rate.set(spec.acceptance_rate)
+            self.spec_mean_accepted_length.set(spec.mean_accepted_length)
+            for position, rate in enumerate(spec.per_position_acceptance):
+                self.spec_position_acceptance.labels(position=str(position)).set(rate)
         self._last_stats = stats
 
     def render(self) -> bytes:

@@ -55,6 +55,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: 16)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     engine.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests draw from it)")
+    engine.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (default: off)',
+    )
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=None, help="ranks splitting each layer (default: 1)"
@@ -88,6 +94,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size",
         "pipeline_parallel_size",
         "distributed_executor_backend",
+        "speculative_config",
     ):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
