@@ -38,6 +38,7 @@ from pagoda.engine.core_messages import CommandKind, CoreCommand, CoreFailed, Co
 from pagoda.engine.debug import debug_check_idle_enabled
 from pagoda.engine.errors import EngineSleepingError
 from pagoda.outputs import EngineCoreOutput, FinishReason
+from pagoda.process_exit import exit_process, freeze_startup_objects
 
 if TYPE_CHECKING:
     from pagoda.engine.core import EngineCore
@@ -205,16 +206,21 @@ def inject_test_fault(core: EngineCore, fault: str, parent_pid: int) -> None:
 
 
 def run_engine_core(config: EngineConfig | Mapping[str, Any], ipc_dir: str, parent_pid: int) -> None:
-    """The core process's entry point (spawned by `EngineCoreClient`): serve, then remove the
-    pipes' directory however serving ended, since a parent killed outright cannot."""
+    """The core process's entry point (spawned by `EngineCoreClient`): serve, remove the pipes'
+    directory however serving ended (a parent killed outright cannot), then exit with the
+    serving's status, without the interpreter's teardown (see `pagoda.process_exit`)."""
     # Ctrl-C in a terminal reaches the whole process group; the server decides when this ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM (the client's fallback, multiprocessing's exit handler) unwinds through the cleanup.
     signal.signal(signal.SIGTERM, exit_on_signal)
+    code = 0
     try:
         serve_engine_core(config, ipc_dir, parent_pid)
+    except SystemExit as request:
+        code = request.code if isinstance(request.code, int) else 1
     finally:
         shutil.rmtree(ipc_dir, ignore_errors=True)
+    exit_process(code)
 
 
 def exit_on_signal(signum: int, frame: object) -> None:
@@ -239,6 +245,7 @@ def serve_engine_core(config: EngineConfig | Mapping[str, Any], ipc_dir: str, pa
         core = EngineCore(config if isinstance(config, EngineConfig) else create_engine_config(**config))
         if os.environ.get(TEST_FAULT_ENV):
             inject_test_fault(core, os.environ[TEST_FAULT_ENV], parent_pid)
+        freeze_startup_objects()
         send(reports, CoreReady(num_kv_blocks=core.scheduler.kv_cache_manager.block_pool.num_usable_blocks))
         EngineCoreLoop(core, commands, reports, parent_pid).run()
     except ConfigError as error:  # a bad argument, not a bug: the client's own config says the same

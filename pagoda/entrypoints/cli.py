@@ -15,6 +15,7 @@ from pagoda.config import ConfigError
 from pagoda.entrypoints.openai.cli_args import add_serve_args
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import RequestOutput
+from pagoda.process_exit import exit_process
 from pagoda.sampling_params import SamplingParams
 
 
@@ -289,5 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The `pagoda` command: `main`, then the process ends without the interpreter's teardown
+    (see `pagoda.process_exit`); `main` itself returns, for callers in a process of their own."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

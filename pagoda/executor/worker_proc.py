@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pagoda.config import EngineConfig
+from pagoda.process_exit import exit_process, freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ def run_worker(connection: Connection) -> int:
         )
         worker.init_device()
         worker.load_model()
+        freeze_startup_objects()
         replies.put(WorkerReply(True, None))
         while True:
             waited_from = time.perf_counter()
@@ -193,6 +195,4 @@ def main() -> None:
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
     _die_with_parent(parent_pid)
     logging.basicConfig(level=os.environ.get("PAGODA_LOG_LEVEL", "WARNING"))
-    status = run_worker(Connection(fd))
-    sys.stdout.flush()
-    os._exit(status)  # skip interpreter teardown: a rank stuck in a collective would hang it
+    exit_process(run_worker(Connection(fd)))  # no teardown: a rank stuck in a collective would hang it

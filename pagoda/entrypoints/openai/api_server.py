@@ -78,6 +78,7 @@ from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokeniza
 from pagoda.entrypoints.openai.ui_routes import OPEN_PATHS as UI_OPEN_PATHS
 from pagoda.entrypoints.openai.ui_routes import add_ui_routes
 from pagoda.metrics import CONTENT_TYPE
+from pagoda.process_exit import freeze_startup_objects
 from pagoda.worker.worker import SLEEP_TAGS
 
 logger = logging.getLogger(__name__)
@@ -307,6 +308,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any], client: 
         app = build_app(engine, name, ServerOptions.from_args(args))
         logger.info(startup_banner(engine, name, args.host, args.port))
         server = DrainingServer(uvicorn_config(app, args), app)
+        freeze_startup_objects()
         server.run()
     finally:
         engine.client.shutdown()  # uvicorn's lifespan did it already unless the server failed to start
