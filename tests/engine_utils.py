@@ -7,6 +7,7 @@ import importlib.util
 import os
 
 import pytest
+import torch
 
 from pagoda.engine.llm_engine import LLMEngine
 
@@ -21,6 +22,16 @@ TARGETS = [
     pytest.param(("cuda", "triton", True), id="cuda-triton", marks=pytest.mark.gpu),
     pytest.param(("cuda", "triton", False), id="cuda-triton-sync", marks=pytest.mark.gpu),
 ]
+
+
+def target_settings(target: tuple[str, str, bool]) -> dict:
+    """`LLM` settings of one of TARGETS, in float32 (the tests compare greedy tokens with a
+    float32 reference); a CUDA target skips the test without a GPU."""
+    device, backend, async_scheduling = target
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return {"device": device, "attention_backend": backend, "async_scheduling": async_scheduling, "dtype": "float32"}
+
 
 # Steps a quiescent engine may take to report its last finished requests to the runner.
 MAX_DRAIN_STEPS = 8

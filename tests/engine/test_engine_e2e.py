@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from engine_utils import TARGETS
+from engine_utils import TARGETS, target_settings
 from model_utils import assert_greedy_match, hf_greedy, save_tiny_checkpoint
 
 from pagoda import LLM, SamplingParams
@@ -25,19 +25,9 @@ ARCHITECTURES = ["llama3", "qwen2", "qwen3"]
 
 
 @pytest.fixture(params=TARGETS)
-def target(request) -> dict[str, str]:
-    device, backend, async_scheduling = request.param
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+def target(request) -> dict:
     # A fixed, small KV pool: a memory-sized one would take most of the GPU in every test.
-    return {
-        "device": device,
-        "attention_backend": backend,
-        "async_scheduling": async_scheduling,
-        "dtype": "float32",
-        "max_model_len": 128,
-        "num_gpu_blocks": 256,
-    }
+    return {**target_settings(request.param), "max_model_len": 128, "num_gpu_blocks": 256}
 
 
 def make_prompts(seed: int, count: int = 8, shared_prefix: int = 0) -> list[list[int]]:

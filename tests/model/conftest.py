@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from engine_utils import TARGETS, smollm2_gguf_path
+from engine_utils import TARGETS, smollm2_gguf_path, target_settings
 
 from pagoda.attention.backends import get_attention_backend
 from pagoda.benchmarks.hf_peer import load_hf_from_gguf
@@ -53,10 +53,6 @@ def smollm2_transformers() -> tuple:
 
 @pytest.fixture(params=TARGETS)
 def target(request) -> dict:
-    """`LLM` settings of one of `engine_utils.TARGETS` (device, attention backend, async
-    scheduling), in float32, for the tests that compare greedy tokens with HF's end to end;
-    CUDA targets skip without a GPU."""
-    device, backend, async_scheduling = request.param
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    return {"device": device, "attention_backend": backend, "async_scheduling": async_scheduling, "dtype": "float32"}
+    """`LLM` settings of one of `engine_utils.TARGETS`, for the tests that compare greedy
+    tokens with HF's end to end."""
+    return target_settings(request.param)

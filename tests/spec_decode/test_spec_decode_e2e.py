@@ -13,8 +13,7 @@ import random
 
 import numpy as np
 import pytest
-import torch
-from engine_utils import TARGETS
+from engine_utils import TARGETS, target_settings
 from model_utils import save_tiny_checkpoint
 
 from pagoda import LLM, SamplingParams
@@ -32,17 +31,8 @@ def qwen3(tmp_path_factory) -> str:
 
 @pytest.fixture(params=TARGETS)
 def target(request) -> dict:
-    device, backend, async_scheduling = request.param
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    return {
-        "device": device,
-        "attention_backend": backend,
-        "async_scheduling": async_scheduling,
-        "dtype": "float32",
-        "max_model_len": 128,
-        "num_gpu_blocks": 256,
-    }
+    # A fixed, small KV pool: a memory-sized one would take most of the GPU in every test.
+    return {**target_settings(request.param), "max_model_len": 128, "num_gpu_blocks": 256}
 
 
 def prompts(seed: int, count: int = 3) -> list[list[int]]:
