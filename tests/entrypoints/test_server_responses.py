@@ -2,14 +2,20 @@
 real `pagoda serve`: string and message-list input, instructions, max_output_tokens (an
 incomplete response), greedy answers equal to the chat endpoint's for the same conversation,
 both ways of streaming (event order, sequence numbers, deltas that join to the text),
-previous_response_id, stored responses (GET, DELETE, store false), what is not supported
-refused by name, and an idle engine afterwards. Without a server: a request's conversion to
-the chat request it amounts to, and the store's bounds."""
+previous_response_id, stored responses (GET, DELETE, store false), function tools (named and
+required choices, streamed and not, a function_call_output round trip, with
+previous_response_id and with the whole conversation sent back), text.format parsed by the SDK,
+what is not supported refused by name, and an idle engine afterwards. Without a server: a
+request's conversion to the chat request it amounts to (function_call items joining their
+assistant turn, outputs as tool turns), the output items and their events, and the store's
+bounds."""
 
 from __future__ import annotations
 
 import json
+from typing import Literal
 
+import pydantic
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -19,10 +25,16 @@ from engine_utils import smollm2_gguf_path  # noqa: E402
 from server_utils import API_KEY, LONG_CONTEXT, LONG_SERVER, MODEL, RemoteServer, assert_error  # noqa: E402
 
 from pagoda.entrypoints.openai.errors import OpenAIError  # noqa: E402
-from pagoda.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest, Turn  # noqa: E402
+from pagoda.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest, Turn, TurnCall  # noqa: E402
 from pagoda.entrypoints.openai.request_body import IGNORED_FIELDS_HEADER, validate_body  # noqa: E402
 from pagoda.entrypoints.openai.response_store import ResponseStore, StoredResponse  # noqa: E402
-from pagoda.entrypoints.openai.serving_responses import chat_request  # noqa: E402
+from pagoda.entrypoints.openai.responses_items import ResponseItems  # noqa: E402
+from pagoda.entrypoints.openai.serving_responses import (  # noqa: E402
+    chat_request,
+    conversation_of,
+    responses_tool_plan,
+)
+from pagoda.entrypoints.openai.tool_parsers import ParsedToolCall  # noqa: E402
 
 MAX_MODEL_LEN = LONG_CONTEXT
 QUESTION = "What is the capital of France?"
@@ -74,7 +86,7 @@ def refusal(body: dict) -> OpenAIError:
 
 def test_a_string_input_is_one_user_message_after_the_instructions() -> None:
     body = parse({"input": "Hi", "instructions": "Be brief.", "temperature": 0.5, "max_output_tokens": 7})
-    chat = chat_request(body, body.turns())
+    chat = chat_request(body, conversation_of(body, ()))
     assert [(m.role, m.content) for m in chat.messages] == [("system", "Be brief."), ("user", "Hi")]
     assert (chat.temperature, chat.max_completion_tokens, chat.add_generation_prompt) == (0.5, 7, True)
 
@@ -101,7 +113,7 @@ def test_message_items_become_turns_after_the_history() -> None:
         }
     )
     history = (Turn("user", "Before."),)
-    chat = chat_request(body, history + body.turns())
+    chat = chat_request(body, conversation_of(body, history))
     assert [(m.role, m.content) for m in chat.messages] == [
         ("user", "Before."),
         ("developer", "Be brief."),
@@ -113,12 +125,18 @@ def test_message_items_become_turns_after_the_history() -> None:
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        (
-            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
-            "input",
-            "'function_call'",
-        ),
+        ({"input": [{"type": "computer_call", "call_id": "c", "action": {}}]}, "input", "'computer_call'"),
         ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input", "'input_image'"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+            "input[0].arguments",
+            "JSON object",
+        ),
+        ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id", "required"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "built-in"),
+        ({"input": "x", "tools": [{"type": "mcp", "server_label": "s"}]}, "tools[0].type", "'mcp'"),
+        ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice.type", "'file_search'"),
+        ({"input": "x", "tool_choice": "sometimes"}, "tool_choice", "'required'"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content",
@@ -139,6 +157,127 @@ def test_what_is_not_supported_is_refused_by_name(body: dict, param: str, words:
     error = refusal(body)
     assert error.param == param, error.message
     assert words in error.message, error.message
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+TIME = {"type": "function", "name": "get_time", "description": "The time now"}
+
+
+def test_function_calls_join_their_assistant_turn_and_outputs_are_tool_turns() -> None:
+    body = parse(
+        {
+            "input": [
+                {"role": "user", "content": "Weather and time?"},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                {
+                    "type": "function_call",
+                    "call_id": "c2",
+                    "name": "get_time",
+                    "arguments": "{}",
+                    "status": "completed",
+                },
+                {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
+                {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "noon"}]},
+            ]
+        }
+    )
+    calls = (TurnCall("c1", "get_weather", '{"city": "Paris"}'), TurnCall("c2", "get_time", "{}"))
+    assert conversation_of(body, ()) == (
+        Turn("user", "Weather and time?"),
+        Turn("assistant", "Checking.", calls),
+        Turn("tool", "18 C", call_id="c1"),
+        Turn("tool", "noon", call_id="c2"),
+    )
+    chat = chat_request(body, conversation_of(body, ()))
+    assistant, tool = chat.messages[1], chat.messages[2]
+    assert [(c.id, c.function.name, c.function.arguments) for c in assistant.tool_calls] == [
+        ("c1", "get_weather", '{"city": "Paris"}'),
+        ("c2", "get_time", "{}"),
+    ]
+    assert (tool.role, tool.content, tool.tool_call_id) == ("tool", "18 C", "c1")
+
+
+def test_a_call_output_must_answer_a_call_of_the_conversation() -> None:
+    body = parse({"input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]})
+    with pytest.raises(OpenAIError) as caught:
+        conversation_of(body, ())
+    assert caught.value.param == "input[0].call_id" and "'c9'" in caught.value.message
+    history = (Turn("user", "q"), Turn("assistant", "", (TurnCall("c9", "get_time", "{}"),)))
+    assert conversation_of(body, history)[-1] == Turn("tool", "1", call_id="c9")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{**TIME, "name": "no spaces"}]}, "tools[0].name"),
+        ({"tools": [TIME, {**WEATHER, "parameters": {"type": "string"}}]}, "tools[1].parameters"),
+        ({"tools": [TIME], "tool_choice": {"type": "function", "name": "get_wether"}}, "tool_choice.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_tools_are_checked_as_on_chat_naming_the_responses_fields(fields: dict, param: str) -> None:
+    with pytest.raises(OpenAIError) as caught:
+        responses_tool_plan(parse({"input": "x", **fields}))
+    assert caught.value.param == param, caught.value.message
+
+
+def test_a_forced_choice_is_a_constraint_and_parallel_calls_are_bounded() -> None:
+    named = responses_tool_plan(
+        parse({"input": "x", "tools": [TIME, WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}})
+    )
+    assert named.choice == "get_weather" and named.constraint().params.json == WEATHER["parameters"]
+    one = responses_tool_plan(
+        parse({"input": "x", "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
+    )
+    assert one.constraint().params.json["maxItems"] == 1 and one.tools[0]["function"]["name"] == "get_weather"
+    assert responses_tool_plan(parse({"input": "x", "tools": [WEATHER]})).choice == "auto"
+    assert responses_tool_plan(parse({"input": "x", "tool_choice": "auto"})) is None  # asks for nothing
+
+
+CALL = ParsedToolCall("get_time", "{}")
+
+
+@pytest.mark.parametrize(
+    ("text", "calls", "kinds"),
+    [
+        ("", (CALL,), ["function_call"]),
+        ("Checking.", (CALL, CALL), ["message", "function_call", "function_call"]),
+        ("", (), ["message"]),
+    ],
+    ids=["calls-only", "text-then-calls", "nothing"],
+)
+def test_output_items_and_their_events(text: str, calls: tuple, kinds: list[str]) -> None:
+    items = ResponseItems("msg_1", iter(range(100)))
+    events = items.text(text) if text else []
+    events += items.finish(calls, "completed")
+    assert [item.type for item in items.items] == kinds
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    added = [event.output_index for event in events if event.type == "response.output_item.added"]
+    done = [event.output_index for event in events if event.type == "response.output_item.done"]
+    assert added == done == list(range(len(kinds)))
+    for index, item in enumerate(items.items):
+        if item.type == "function_call":
+            own = [e.type for e in events if getattr(e, "output_index", None) == index]
+            assert own == [
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+            ]
+            assert item.status == "completed" and item.id.startswith("fc_") and item.call_id.startswith("call_")
+    assert len({item.id for item in items.items}) == len(kinds)
 
 
 def test_unknown_top_level_fields_are_left_out_unless_strict() -> None:
@@ -309,8 +448,8 @@ def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
             "input_image",
         ),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "function_call_output"),
-        ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools are not supported"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "answers no function call"),
+        ({"input": "x", "tools": [{"type": "web_search_preview"}]}, "only function tools"),
         ({"input": "x", "background": True}, "background responses are not supported"),
         ({"input": "x", "previous_response_id": "resp_nothing"}, "not found"),
     ],
@@ -321,26 +460,26 @@ def test_server_refuses_what_is_not_supported(client: openai.OpenAI, kwargs: dic
     assert words in caught.value.body["message"]
 
 
-CITY = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "people": {"type": "integer"}},
-    "required": ["city", "people"],
-    "additionalProperties": False,
-}
-
-
-@pytest.mark.parametrize(
-    "text_format",
-    [{"type": "json_schema", "name": "city", "schema": CITY, "strict": True}, {"type": "json_object"}],
-    ids=["json_schema", "json_object"],
-)
-def test_text_format_constrains_the_answer(client: openai.OpenAI, text_format: dict) -> None:
-    """As response_format on chat: the answer is JSON (valid for the schema), finished or not."""
-    jsonschema = pytest.importorskip("jsonschema")
-    response = create(client, input=QUESTION, max_output_tokens=48, text={"format": text_format})
+def test_text_format_json_object_constrains_the_answer(client: openai.OpenAI) -> None:
+    """As response_format on chat: the answer is a JSON object."""
+    response = create(client, input=QUESTION, max_output_tokens=48, text={"format": {"type": "json_object"}})
     assert response.status == "completed", response.output_text
-    answer = json.loads(response.output_text)
-    jsonschema.validate(answer, CITY if text_format["type"] == "json_schema" else {"type": "object"})
+    assert isinstance(json.loads(response.output_text), dict)
+
+
+def test_text_format_json_schema_parses_into_a_pydantic_model(client: openai.OpenAI) -> None:
+    """The SDK's parse sends the model's schema as text.format json_schema (strict) and reads the answer back."""
+
+    class City(pydantic.BaseModel):
+        city: Literal["Paris", "Rome"]
+        people: int
+
+    response = client.responses.parse(
+        model=MODEL, input=QUESTION, text_format=City, temperature=0, max_output_tokens=48
+    )
+    assert response.status == "completed", response.output_text
+    assert isinstance(response.output_parsed, City)
+    assert response.text.format.type == "json_schema" and response.text.format.name == "City"
 
 
 @pytest.mark.parametrize(
@@ -376,3 +515,70 @@ def test_a_stream_closed_early_leaves_the_engine_idle(client: openai.OpenAI, ser
             break
     stream.close()
     assert server.wait_idle()["idle"]
+
+
+# ---- function tools ---------------------------------------------------------------------------
+
+NAMED = {"type": "function", "name": "get_weather"}
+ASK_WEATHER = "What is the weather in Paris?"
+TOOL_TOKENS = 64
+
+
+def check_call(item, name: str = "get_weather") -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    assert item.type == "function_call" and item.name == name and item.status == "completed"
+    assert item.id.startswith("fc_") and item.call_id.startswith("call_")
+    parameters = WEATHER["parameters"] if name == "get_weather" else {"type": "object", "maxProperties": 0}
+    jsonschema.validate(json.loads(item.arguments), parameters)
+
+
+def test_required_streamed_equals_not_streamed(client: openai.OpenAI) -> None:
+    kwargs = {
+        "input": "What time is it?",
+        "tools": [TIME],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": TOOL_TOKENS,
+    }
+    whole = create(client, **kwargs)
+    (call,) = whole.output
+    check_call(call, "get_time")
+    events = list(create(client, stream=True, **kwargs))
+    assert [event.type for event in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    added, delta, done_args, done = events[2:6]
+    assert added.item.arguments == "" and added.item.status == "in_progress"
+    assert delta.delta == done_args.arguments == done.item.arguments == call.arguments
+    assert {added.item.id, delta.item_id, done_args.item_id, done.item.id} == {events[-1].response.output[0].id}
+    assert (done.item.name, events[-1].response.output[0].arguments) == ("get_time", call.arguments)
+
+
+def test_a_named_call_and_its_output_round_trip(client: openai.OpenAI) -> None:
+    """A named choice calls the function; the call's result goes back (after
+    previous_response_id, or with the call's item in the whole conversation) and the model
+    answers in text."""
+    first = create(client, input=ASK_WEATHER, tools=[WEATHER], tool_choice=NAMED, max_output_tokens=TOOL_TOKENS)
+    assert first.status == "completed" and first.output_text == ""
+    (call,) = first.output
+    check_call(call)
+    assert [tool.name for tool in first.tools] == ["get_weather"]
+    assert first.tool_choice.name == "get_weather" and first.parallel_tool_calls is True
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 18, "sky": "sunny"}'}
+    chained = create(client, previous_response_id=first.id, input=[result], tools=[WEATHER], max_output_tokens=4)
+    assert chained.output[0].type == "message" and chained.output_text
+    whole = create(
+        client,
+        input=[{"role": "user", "content": ASK_WEATHER}, *first.output, result],
+        tools=[WEATHER],
+        max_output_tokens=4,
+    )
+    assert whole.usage.input_tokens == chained.usage.input_tokens > first.usage.input_tokens
+    assert whole.output_text == chained.output_text

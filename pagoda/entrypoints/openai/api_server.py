@@ -161,7 +161,7 @@ def build_app(
         options.tool_call_parser,
         options.reasoning_parser,
     )
-    responses = OpenAIServingResponses(engine, served_model_name, ResponseStore())
+    responses = OpenAIServingResponses(engine, served_model_name, ResponseStore(), chat)
     tokenization = OpenAIServingTokenization(engine, served_model_name, options.trust_request_chat_template)
     max_model_len = engine.config.model_config.max_model_len
     limits = request_limits(engine.tokenizer, max_model_len)

@@ -1,10 +1,11 @@
 """The Responses API's wire format (`POST /v1/responses`): the request, the response object and
 its stream events, as the official SDK's `openai.types.responses` spells them.
 
-Only text conversations are served: `input` is a string (one user message) or a list of
-message items whose content is text (`input_text` / `output_text` parts); any other item or
-part (images, files, function calls, ...) is refused naming it, as are tools and JSON output
-formats until structured output exists (serving_responses.py's field rules). Unknown
+Text conversations with function tools are served: `input` is a string (one user message)
+or a list of message items whose content is text (`input_text` / `output_text` parts), the
+model's earlier `function_call` items and the client's `function_call_output` items; any other
+item or part (images, files, built-in tool calls, ...) is refused naming it, as are tools other
+than functions (OpenAI's built-in web_search, file_search, computer, mcp, ...). Unknown
 top-level fields are request_body.py's to ignore or refuse, as for the other routes.
 """
 
@@ -18,7 +19,9 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
@@ -29,6 +32,7 @@ from pagoda.entrypoints.openai.protocol import (
     RequestBody,
     StrictModel,
     Text,
+    _check_arguments,
     check_conversation_chars,
     check_num_messages,
     check_text,
@@ -46,27 +50,62 @@ _TEXT_PART_KEYS = {
 
 
 @dataclass(frozen=True)
+class TurnCall:
+    """A function call the model made, as a conversation keeps it."""
+
+    call_id: str
+    name: str
+    arguments: str  # a JSON object's text
+
+
+@dataclass(frozen=True)
 class Turn:
-    """One message of a conversation: what is rendered with the chat template and stored."""
+    """One message of a conversation: what is rendered with the chat template and stored. An
+    assistant turn may carry function calls; a tool turn is a call's output (`call_id`)."""
 
     role: str
     content: str
+    calls: tuple[TurnCall, ...] = ()
+    call_id: str | None = None
+
+    @property
+    def num_chars(self) -> int:
+        return len(self.content) + sum(len(call.name) + len(call.arguments) for call in self.calls)
+
+
+# Input item types, and their tags in the items' union (tags that are not identifiers stay out
+# of error paths: errors._param_path).
+_ITEM_TAGS = {
+    "message": "message-item",
+    "function_call": "function-call",
+    "function_call_output": "function-call-output",
+}
 
 
 def _input_items(value: Any, info: ValidationInfo) -> Any:
-    """A string is one user message; a list may hold message items only (others are named)."""
+    """A string is one user message; a list may hold message and function-call items only
+    (others are named)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if isinstance(value, list):
         check_num_messages(value, info)
         for i, item in enumerate(value):
-            kind = item.get("type", "message") if isinstance(item, dict) else "message"
-            if kind != "message":
+            kind = _item_type(item)
+            if kind not in _ITEM_TAGS:
                 raise ValueError(
                     f"input[{i}] has type {str(kind)[:40]!r}: only message items (roles user, system, "
-                    "developer, assistant, with text content) are supported"
+                    "developer, assistant, with text content), function_call and function_call_output "
+                    "items are supported"
                 )
     return value
+
+
+def _item_type(item: Any) -> Any:
+    return item.get("type", "message") if isinstance(item, dict) else "message"
+
+
+def _item_tag(item: Any) -> str:
+    return _ITEM_TAGS.get(_item_type(item), "message-item")
 
 
 def _parts_text(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> str:
@@ -101,11 +140,89 @@ class InputMessage(StrictModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+class FunctionCallInput(StrictModel):
+    """A call the model made (an earlier response's output item, sent back)."""
+
+    type: Literal["function_call"]
+    call_id: Text
+    name: Text
+    arguments: Annotated[Text, AfterValidator(_check_arguments)]
+    id: Text | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @property
+    def content(self) -> str:
+        """The text it adds to the conversation (for the size check)."""
+        return self.name + self.arguments
+
+
+class FunctionCallOutputInput(StrictModel):
+    """A call's result, from the client: text, or text parts (joined)."""
+
+    type: Literal["function_call_output"]
+    call_id: Text
+    output: Annotated[Text | list[Any], WrapValidator(_parts_text)]
+    id: Text | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @property
+    def content(self) -> str:
+        """The text it adds to the conversation (for the size check)."""
+        return self.output
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message-item")]
+    | Annotated[FunctionCallInput, Tag("function-call")]
+    | Annotated[FunctionCallOutputInput, Tag("function-call-output")],
+    Discriminator(_item_tag),
+]
+
 Input = Annotated[
-    list[InputMessage],
+    list[InputItem],
     BeforeValidator(_input_items),
     AfterValidator(check_conversation_chars),
     Field(min_length=1),
+]
+
+
+def _function_only(kind: str) -> str:
+    if kind != "function":
+        raise ValueError(
+            f"only function tools (type 'function') are supported: {kind[:40]!r} is one of OpenAI's "
+            "built-in tools, which this server does not run"
+        )
+    return kind
+
+
+class FunctionTool(StrictModel):
+    type: Annotated[Text, AfterValidator(_function_only)]
+    name: Text
+    description: Text | None = None
+    # A JSON schema of the arguments object; None: the function takes none.
+    parameters: JSONObject | None = None
+    # The arguments always follow the schema when the choice forces a call; accepted for OpenAI's clients.
+    strict: bool | None = None
+
+
+def _function_choice(kind: str) -> str:
+    if kind != "function":
+        raise ValueError(
+            f"must be 'none', 'auto', 'required' or {{'type': 'function', 'name': ...}}; {kind[:40]!r} "
+            "choices (of built-in tools, or allowed_tools) are not supported"
+        )
+    return kind
+
+
+class FunctionToolChoice(StrictModel):
+    type: Annotated[Text, AfterValidator(_function_choice)]
+    name: Text
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("choice-mode")]
+    | Annotated[FunctionToolChoice, Tag("named-function")],
+    Discriminator(lambda value: "named-function" if isinstance(value, dict) else "choice-mode"),
 ]
 
 
@@ -127,10 +244,11 @@ class ResponsesRequest(RequestBody):
     user: Text | None = None
     # A tenant's key for the prefix cache, as in chat: only requests with the same salt share blocks.
     cache_salt: Text | None = None
-    # OpenAI fields refused unless they ask for nothing (serving_responses.py's RESPONSES_FIELD_RULES).
     text: TextConfig | None = None
-    tools: list[JSONObject] | None = None
-    tool_choice: Text | JSONObject | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields refused unless they ask for nothing (serving_responses.py's RESPONSES_FIELD_RULES).
     include: list[Text] | None = None
     top_logprobs: int | None = None
     background: bool | None = None
@@ -142,13 +260,10 @@ class ResponsesRequest(RequestBody):
     # safety_identifier are logged with the response's id).
     metadata: dict[str, Text] | None = None
     safety_identifier: Text | None = None
-    parallel_tool_calls: bool | None = None
+    # A cap on calls to built-in tools (none run here).
     max_tool_calls: int | None = None
     reasoning: JSONObject | None = None
     prompt_cache_key: Text | None = None
-
-    def turns(self) -> tuple[Turn, ...]:
-        return tuple(Turn(message.role, message.content) for message in self.input)
 
 
 # ---- the response object and its events ---------------------------------------------------
@@ -167,6 +282,18 @@ class OutputMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str  # a JSON object's text
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):
@@ -204,10 +331,11 @@ class ResponseObject(BaseModel):
     previous_response_id: str | None = None
     store: bool = True
     user: str | None = None
-    output: list[OutputMessage] = Field(default_factory=list)
-    parallel_tool_calls: bool = False
-    tool_choice: Literal["none"] = "none"
-    tools: list[Any] = Field(default_factory=list)
+    output: list[OutputItem] = Field(default_factory=list)
+    # The request's, as it sent them (OpenAI's defaults otherwise).
+    parallel_tool_calls: bool = True
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     usage: ResponseUsage | None = None
 
@@ -226,15 +354,15 @@ class ResponseLifecycleEvent(ResponseEvent):
 class OutputItemEvent(ResponseEvent):
     """response.output_item.added / done."""
 
-    output_index: int = 0
-    item: OutputMessage
+    output_index: int
+    item: OutputItem
 
 
 class ContentPartEvent(ResponseEvent):
     """response.content_part.added / done."""
 
     item_id: str
-    output_index: int = 0
+    output_index: int
     content_index: int = 0
     part: OutputText
 
@@ -242,7 +370,7 @@ class ContentPartEvent(ResponseEvent):
 class TextDeltaEvent(ResponseEvent):
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
     item_id: str
-    output_index: int = 0
+    output_index: int
     content_index: int = 0
     delta: str
     logprobs: list[Any] = Field(default_factory=list)
@@ -251,10 +379,24 @@ class TextDeltaEvent(ResponseEvent):
 class TextDoneEvent(ResponseEvent):
     type: Literal["response.output_text.done"] = "response.output_text.done"
     item_id: str
-    output_index: int = 0
+    output_index: int
     content_index: int = 0
     text: str
     logprobs: list[Any] = Field(default_factory=list)
+
+
+class FunctionCallArgumentsDeltaEvent(ResponseEvent):
+    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDoneEvent(ResponseEvent):
+    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
+    item_id: str
+    output_index: int
+    arguments: str
 
 
 class DeletedResponse(BaseModel):

@@ -22,7 +22,7 @@ class StoredResponse:
     @property
     def num_chars(self) -> int:
         """The text this entry keeps alive (an upper bound: turns are shared along a chain)."""
-        return sum(len(turn.content) for turn in self.conversation) + len(self.response.instructions or "")
+        return sum(turn.num_chars for turn in self.conversation) + len(self.response.instructions or "")
 
 
 class ResponseStore:

@@ -1,20 +1,26 @@
 """`POST /v1/responses`: a Responses request served as the chat request it amounts to (its
-instructions, the stored conversation it continues, its input), rendered with the model's
-chat template and sampled by one engine request; answered as a response object or the
-Responses event stream, and kept in the store for `previous_response_id` unless `store` is
-false. `GET` / `DELETE /v1/responses/{id}` read and drop stored ones.
+instructions, the stored conversation it continues, its input), prepared by the chat route
+(OpenAIServingChat.prepare: the template's tools or the fallback tool prompt, the constraint,
+the parsers) and sampled by one engine request; answered as a response object or the
+Responses event stream (responses_items.py), and kept in the store for `previous_response_id`
+unless `store` is false. `GET` / `DELETE /v1/responses/{id}` read and drop stored ones.
 
-`text.format` (json_schema, json_object) constrains the answer as `response_format` does on
-chat (structured.py). OpenAI fields for what the server lacks (tools, background responses,
+Function tools work as on chat (tools.py): `tool_choice` none, auto (calls parsed from the
+answer by the server's tool-call parser), required or a named function (grammar-forced), and
+`parallel_tool_calls`; calls come back as `function_call` items, and their results go back in
+as `function_call_output` items (each naming a call the conversation made). `text.format`
+(json_schema, json_object) constrains the answer as `response_format` does on chat
+(structured.py). Reasoning is not split here (the answer is the whole text, so a constraint
+applies from its first token). OpenAI fields for what the server lacks (background responses,
 conversation objects, prompt templates, ...) are refused with a 400 naming the field unless
-their value asks for nothing (`tools: []`, `tool_choice: "auto"`, ...)."""
+their value asks for nothing (`include: []`, `truncation: "disabled"`, ...)."""
 
 from __future__ import annotations
 
 import itertools
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from starlette.requests import Request
@@ -22,24 +28,29 @@ from starlette.responses import Response
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.errors import OpenAIError
-from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagoda.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    ToolCall,
+)
 from pagoda.entrypoints.openai.protocol_responses import (
-    ContentPartEvent,
     DeletedResponse,
+    FunctionCallInput,
+    FunctionCallOutputInput,
+    FunctionToolChoice,
     IncompleteDetails,
-    OutputItemEvent,
-    OutputMessage,
-    OutputText,
     ResponseEvent,
     ResponseLifecycleEvent,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
-    TextDeltaEvent,
-    TextDoneEvent,
     Turn,
+    TurnCall,
 )
 from pagoda.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from pagoda.entrypoints.openai.responses_items import ResponseItems
 from pagoda.entrypoints.openai.serving_base import (
     ONE_SERVICE_TIER,
     FieldRule,
@@ -47,19 +58,15 @@ from pagoda.entrypoints.openai.serving_base import (
     check_field_rules,
     created,
 )
-from pagoda.entrypoints.openai.serving_chat import render_messages
+from pagoda.entrypoints.openai.serving_chat import MessageParsers, OpenAIServingChat
 from pagoda.entrypoints.openai.streaming import ChoiceTracker
 from pagoda.entrypoints.openai.structured import text_format_constraint
+from pagoda.entrypoints.openai.tool_parsers import ParsedToolCall
+from pagoda.entrypoints.openai.tools import ToolFields, ToolPlan, tool_plan
 from pagoda.outputs import RequestOutput
 
-TOOLS_LATER = "tools are not supported on /v1/responses yet (they are on /v1/chat/completions)"
+RESPONSES_TOOL_FIELDS = ToolFields("tools[{}]", "tool_choice.name")
 RESPONSES_FIELD_RULES = (
-    FieldRule("tools", lambda body: not body.tools, f"{TOOLS_LATER}: send no tools (an empty list is accepted)"),
-    FieldRule(
-        "tool_choice",
-        lambda body: body.tool_choice in (None, "none", "auto"),
-        f"{TOOLS_LATER}: tool_choice may only be 'none' or 'auto'",
-    ),
     FieldRule("include", lambda body: not body.include, "include is not supported: responses carry no extra data"),
     FieldRule("top_logprobs", lambda body: not body.top_logprobs, "top_logprobs is not supported by /v1/responses yet"),
     FieldRule(
@@ -85,19 +92,24 @@ RESPONSES_FIELD_RULES = (
 class OpenAIServingResponses(OpenAIServing):
     param_names: ClassVar[dict[str, str]] = {"prompt": "input", "max_tokens": "max_output_tokens"}
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str, store: ResponseStore) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_name: str, store: ResponseStore, chat: OpenAIServingChat) -> None:
         super().__init__(engine, served_model_name)
         self.store = store
+        self.chat = chat
 
     async def create(self, body: ResponsesRequest, raw_request: Request) -> Response:
         self.check_model(body.model)
         check_field_rules(body, RESPONSES_FIELD_RULES)
-        conversation = self.history(body.previous_response_id) + body.turns()
+        conversation = conversation_of(body, self.history(body.previous_response_id))
         chat = chat_request(body, conversation)
-        prompt = await render_messages(self.engine, chat, trust_request_chat_template=False)
         constraint = text_format_constraint(body.text.format if body.text is not None else None)
-        params = self.sampling_params(chat, body.max_output_tokens, constraint)
-        engine_id, request_ids = await self.start([prompt], params, "resp", body, constraint)
+        prepared = await self.chat.prepare(chat, responses_tool_plan(body), constraint, reasoning=False)
+        parsers = prepared.parsers
+        skip_special_tokens = parsers.skip_special_tokens(chat) if parsers is not None else None
+        params = self.sampling_params(
+            chat, body.max_output_tokens, prepared.constraint, skip_special_tokens=skip_special_tokens
+        )
+        engine_id, request_ids = await self.start([prepared.prompt], params, "resp", body, prepared.constraint)
         outputs = self.outputs(request_ids)
         draft = Draft(
             body,
@@ -106,6 +118,7 @@ class OpenAIServingResponses(OpenAIServing):
             f"msg_{uuid.uuid4().hex}",
             created(),
             conversation,
+            parsers,
         )
         return await self.respond(
             raw_request,
@@ -146,59 +159,84 @@ class OpenAIServingResponses(OpenAIServing):
 
     async def _final(self, draft: Draft, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> ResponseObject:
         (output,) = await self.final_outputs(outputs)
-        return self._finish(draft, output)
+        (completion,) = output.outputs
+        items = ResponseItems(draft.message_id, itertools.count())
+        content, calls = completion.text, ()
+        if draft.parsers is not None:
+            parsed = draft.parsers.new().parse(completion.text)
+            content, calls = parsed.content, parsed.calls
+        if content:
+            items.text(content)
+        return self._finish(draft, output, items, calls)[0]
 
     async def _events(
         self, draft: Draft, outputs: AsyncIterator[tuple[int, RequestOutput]]
     ) -> AsyncIterator[ResponseEvent]:
-        """The Responses event stream of one message with one text part, numbered in order."""
+        """The Responses event stream, numbered in order: the answer's text as it comes, its
+        calls once it is whole."""
         numbers = itertools.count()
         in_progress = draft.response("in_progress")
-        ids = {"item_id": draft.message_id}
         for kind in ("response.created", "response.in_progress"):
             yield ResponseLifecycleEvent(type=kind, sequence_number=next(numbers), response=in_progress)
-        item = OutputMessage(id=draft.message_id, status="in_progress", content=[])
-        yield OutputItemEvent(type="response.output_item.added", sequence_number=next(numbers), item=item)
-        part = OutputText(text="")
-        yield ContentPartEvent(type="response.content_part.added", sequence_number=next(numbers), part=part, **ids)
+        items = ResponseItems(draft.message_id, numbers)
+        parser = draft.parsers.new() if draft.parsers is not None else None
+        calls: list[ParsedToolCall] = []
         tracker = ChoiceTracker([])
         last: RequestOutput | None = None
         async for _, last in outputs:
-            delta = tracker.update(last.outputs[0])
-            if delta is not None and delta.text:
-                yield TextDeltaEvent(sequence_number=next(numbers), delta=delta.text, **ids)
+            completion = last.outputs[0]
+            delta = tracker.update(completion)
+            if delta is None:
+                continue
+            piece = delta.text
+            if parser is not None:
+                parsed = parser.update(completion.text[: tracker.num_chars_sent], final=delta.finish_reason is not None)
+                piece = parsed.content
+                calls += parsed.calls
+            if piece:
+                for event in items.text(piece):
+                    yield event
         if last is None:
             raise RuntimeError("the engine ended the request without an output")
-        done = self._finish(draft, last)
-        (message,) = done.output
-        (part,) = message.content
-        yield TextDoneEvent(sequence_number=next(numbers), text=part.text, **ids)
-        yield ContentPartEvent(type="response.content_part.done", sequence_number=next(numbers), part=part, **ids)
-        yield OutputItemEvent(type="response.output_item.done", sequence_number=next(numbers), item=message)
+        done, events = self._finish(draft, last, items, tuple(calls))
+        for event in events:
+            yield event
         yield ResponseLifecycleEvent(type=f"response.{done.status}", sequence_number=next(numbers), response=done)
 
-    def _finish(self, draft: Draft, output: RequestOutput) -> ResponseObject:
-        """The finished response (stored unless `store` is false)."""
+    def _finish(
+        self, draft: Draft, output: RequestOutput, items: ResponseItems, calls: tuple[ParsedToolCall, ...]
+    ) -> tuple[ResponseObject, list[ResponseEvent]]:
+        """The finished response (stored unless `store` is false) and the events that end its items."""
         (completion,) = output.outputs
         status = "incomplete" if completion.finish_reason == "length" else "completed"
-        message = OutputMessage(id=draft.message_id, status=status, content=[OutputText(text=completion.text)])
+        events = items.finish(calls, status)
         input_tokens, output_tokens = len(output.prompt_token_ids), len(completion.token_ids)
         response = draft.response(
             status,
-            output=[message],
+            output=items.items,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             usage=ResponseUsage(
                 input_tokens=input_tokens, output_tokens=output_tokens, total_tokens=input_tokens + output_tokens
             ),
         )
         if draft.body.store:
-            self.store.put(StoredResponse(response, (*draft.conversation, Turn("assistant", completion.text))))
-        return response
+            self.store.put(StoredResponse(response, (*draft.conversation, answer_turn(response))))
+        return response, events
+
+
+def answer_turn(response: ResponseObject) -> Turn:
+    """The response's answer as a turn of its conversation: its text and its calls."""
+    text = "".join(part.text for item in response.output if item.type == "message" for part in item.content)
+    calls = tuple(
+        TurnCall(item.call_id, item.name, item.arguments) for item in response.output if item.type == "function_call"
+    )
+    return Turn("assistant", text, calls)
 
 
 @dataclass(frozen=True)
 class Draft:
-    """What a response is made of before its output: the request, its ids, its conversation."""
+    """What a response is made of before its output: the request, its ids, its conversation,
+    and how its answer is parsed."""
 
     body: ResponsesRequest
     model: str
@@ -206,9 +244,11 @@ class Draft:
     message_id: str
     created_at: int
     conversation: tuple[Turn, ...]
+    parsers: MessageParsers | None
 
     def response(self, status: str, **fields: Any) -> ResponseObject:
         body = self.body
+        choice = body.tool_choice
         return ResponseObject(
             id=self.response_id,
             created_at=self.created_at,
@@ -221,8 +261,54 @@ class Draft:
             previous_response_id=body.previous_response_id,
             store=body.store,
             user=body.user,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+            tool_choice=choice.model_dump() if isinstance(choice, FunctionToolChoice) else choice or "auto",
+            tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],
+            text={"format": (body.text.format if body.text is not None else None) or {"type": "text"}},
             **fields,
         )
+
+
+def responses_tool_plan(body: ResponsesRequest) -> ToolPlan | None:
+    """The request's function tools and choice, checked as chat's are (400 naming the field)."""
+    choice = body.tool_choice
+    functions = [
+        FunctionDefinition.model_construct(
+            name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
+        )
+        for tool in body.tools or []
+    ]
+    named = choice.name if isinstance(choice, FunctionToolChoice) else None
+    mode = None if isinstance(choice, FunctionToolChoice) else choice
+    return tool_plan(functions, mode, named, body.parallel_tool_calls, RESPONSES_TOOL_FIELDS)
+
+
+def conversation_of(body: ResponsesRequest, history: tuple[Turn, ...]) -> tuple[Turn, ...]:
+    """The stored history, then the input's items as turns: a function_call joins the assistant
+    turn before it (one turn, several calls, as chat templates take them); a function_call_output
+    is a tool turn, and must answer a call the conversation made (400 naming its call_id)."""
+    turns = list(history)
+    made = {call.call_id for turn in history for call in turn.calls}
+    for i, item in enumerate(body.input):
+        if isinstance(item, FunctionCallInput):
+            call = TurnCall(item.call_id, item.name, item.arguments)
+            made.add(item.call_id)
+            if turns and turns[-1].role == "assistant":
+                turns[-1] = replace(turns[-1], calls=(*turns[-1].calls, call))
+            else:
+                turns.append(Turn("assistant", "", (call,)))
+        elif isinstance(item, FunctionCallOutputInput):
+            if item.call_id not in made:
+                raise OpenAIError(
+                    400,
+                    f"input[{i}].call_id {item.call_id[:80]!r} answers no function call of the conversation: send "
+                    "the call's function_call item before it, or continue with previous_response_id",
+                    f"input[{i}].call_id",
+                )
+            turns.append(Turn("tool", item.output, call_id=item.call_id))
+        else:
+            turns.append(Turn(item.role, item.content))
+    return tuple(turns)
 
 
 def chat_request(body: ResponsesRequest, conversation: tuple[Turn, ...]) -> ChatCompletionRequest:
@@ -230,10 +316,24 @@ def chat_request(body: ResponsesRequest, conversation: tuple[Turn, ...]) -> Chat
     conversation (already validated, so it is built without validating again)."""
     turns = ((Turn("system", body.instructions),) if body.instructions is not None else ()) + conversation
     return ChatCompletionRequest.model_construct(
-        messages=[ChatMessage.model_construct(role=turn.role, content=turn.content) for turn in turns],
+        messages=[chat_message(turn) for turn in turns],
         temperature=body.temperature,
         top_p=body.top_p,
         max_completion_tokens=body.max_output_tokens,
         stream=body.stream,
         user=body.user,
+    )
+
+
+def chat_message(turn: Turn) -> ChatMessage:
+    calls = [
+        ToolCall.model_construct(
+            id=call.call_id,
+            type="function",
+            function=FunctionCall.model_construct(name=call.name, arguments=call.arguments),
+        )
+        for call in turn.calls
+    ]
+    return ChatMessage.model_construct(
+        role=turn.role, content=turn.content, tool_calls=calls or None, tool_call_id=turn.call_id
     )

@@ -108,7 +108,8 @@ def tool_plan(
     """The functions and the choice (`mode` "none", "auto" or "required", or the function
     `named`), checked (400 naming the field); None without functions."""
     if not functions:
-        if named is not None or mode not in (None, "none"):
+        # "none" and "auto" ask for nothing without functions; a call cannot be forced.
+        if named is not None or mode == "required":
             raise OpenAIError(400, "tool_choice needs tools: send the functions it may call", "tool_choice")
         return None
     if len(functions) > MAX_TOOLS:
