@@ -90,6 +90,7 @@ class Scheduler:
                 self.max_model_len,
                 speculative_config.prompt_lookup_min,
                 speculative_config.prompt_lookup_max,
+                fill_drafts=speculative_config.forced_acceptance is not None,
             )
             self.spec_stats = SpecDecodingStats()
 

@@ -62,10 +62,17 @@ class NgramProposer:
 
     A request's history is copied in once when it gets a slot and then extended by the tokens
     that arrived since (`sync`), so no step re-reads a whole history.
+
+    `fill_drafts` is for forced acceptance only (benchmarks): dummy weights make matches rare,
+    so every row's drafts are filled up to `num_drafts` with its last known token repeated,
+    and each step verifies k drafts at the forced rate whatever the lookup found.
     """
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, min_n: int, max_n: int) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_model_len: int, min_n: int, max_n: int, fill_drafts: bool = False
+    ) -> None:
         self.min_n, self.max_n = min_n, max_n
+        self.fill_drafts = fill_drafts
         self._tokens = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
         self._lengths = np.zeros(max_num_seqs, dtype=np.int64)
         self._slots: dict[str, int] = {}
@@ -89,9 +96,16 @@ class NgramProposer:
             self._free.append(slot)
 
     def propose(self, slots: list[int], num_drafts: int) -> tuple[np.ndarray, np.ndarray]:
-        """`propose_ngram` over the given slots' histories."""
+        """`propose_ngram` over the given slots' histories (filled to `num_drafts` if `fill_drafts`)."""
         index = np.asarray(slots, dtype=np.int64)
-        return propose_ngram(self._tokens[index], self._lengths[index], self.min_n, self.max_n, num_drafts)
+        lengths = self._lengths[index]
+        drafts, counts = propose_ngram(self._tokens[index], lengths, self.min_n, self.max_n, num_drafts)
+        if self.fill_drafts:
+            last = self._tokens[index, lengths - 1].astype(np.int64)
+            empty = np.arange(num_drafts) >= counts[:, None]
+            drafts[empty] = np.broadcast_to(last[:, None], drafts.shape)[empty]
+            counts[:] = num_drafts
+        return drafts, counts
 
     @property
     def req_ids(self) -> list[str]:

@@ -95,6 +95,10 @@ class PreparedInputs:
     logits_start: np.ndarray
     # Their sampling settings, built (and sent) before the forward.
     sampling_metadata: SamplingMetadata | None
+    # In a verify step: [rows, most drafts] each sampled row's drafts (-1 padded) and its first
+    # row among the logits, on the device, sent with the step's other inputs; None otherwise.
+    draft_token_ids: torch.Tensor | None = None
+    logits_start_device: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,10 @@ class GPUModelRunner:
         self._forced_acceptance_rng: torch.Generator | None = None
         if self.forced_acceptance is not None:
             self._forced_acceptance_rng = torch.Generator(device).manual_seed(self.model_config.seed)
+        # A verify step's drafts and logits starts, staged in pinned memory like the inputs above.
+        max_drafts = speculative.num_speculative_tokens if speculative is not None else 0
+        self.draft_token_ids = buffer(self.max_num_reqs * max_drafts, torch.int64)
+        self.logits_start = buffer(self.max_num_reqs, torch.int64)
         # Where the previous step's sampled ids go in this step's input ids (async scheduling).
         self.prev_sampled_dst = buffer(self.max_num_reqs, torch.int64)
         self.prev_sampled_src = buffer(self.max_num_reqs, torch.int64)
@@ -596,6 +604,11 @@ class GPUModelRunner:
         )
         input_ids = self.input_ids.copy_to_gpu(num_input_tokens)
         self._scatter_prev_sampled(input_ids, num_computed, num_scheduled, cu_num_tokens - num_scheduled)
+        draft_token_ids = logits_start_device = None
+        if num_drafts.any():
+            draft_token_ids = self._send_drafts(sample_rows, num_drafts)
+            self.logits_start.np[: len(sample_rows)] = logits_start
+            logits_start_device = self.logits_start.copy_to_gpu(len(sample_rows))
         return PreparedInputs(
             input_ids=input_ids,
             positions=self.positions.copy_to_gpu(num_input_tokens),
@@ -606,6 +619,8 @@ class GPUModelRunner:
             num_drafts=num_drafts,
             logits_start=logits_start,
             sampling_metadata=self._sampling_metadata(sample_rows, num_drafts) if self.is_last_stage else None,
+            draft_token_ids=draft_token_ids,
+            logits_start_device=logits_start_device,
         )
 
     def _scatter_prev_sampled(
@@ -739,11 +754,12 @@ class GPUModelRunner:
         assert self.model is not None
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         output = self.sampler(logits, metadata)
-        if inputs.num_drafts.any():
+        if inputs.draft_token_ids is not None:
+            assert inputs.logits_start_device is not None
             token_ids = verify_drafts(
                 output.sampled_token_ids,
-                torch.from_numpy(inputs.logits_start).to(self.device),
-                self._draft_tensor(inputs.sample_rows, inputs.num_drafts),
+                inputs.logits_start_device,
+                inputs.draft_token_ids,
                 self.forced_acceptance,
                 self._forced_acceptance_rng,
             )
@@ -756,14 +772,16 @@ class GPUModelRunner:
         self.input_batch.sampling.record_sampled(sample_rows, rows_device, token_ids)
         return StepTokens(token_ids, output.logprobs)
 
-    def _draft_tensor(self, sample_rows: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor:
-        """[rows, most drafts] int64 on the device: each sampled row's drafts, -1 padded."""
+    def _send_drafts(self, sample_rows: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor:
+        """[rows, most drafts] int64 on the device: each sampled row's drafts, -1 padded, staged
+        in the pinned buffer (an unpinned copy would make the host wait for the device)."""
         batch = self.input_batch
         width = int(num_drafts.max())
         columns = batch.num_tokens[sample_rows][:, None].astype(np.int64) + self._arange[:width]
-        drafts = batch.token_ids_cpu[sample_rows[:, None], columns].astype(np.int64)
-        drafts[self._arange[:width] >= num_drafts[:, None]] = -1
-        return torch.from_numpy(drafts).to(self.device)
+        staged = self.draft_token_ids.np[: len(sample_rows) * width].reshape(len(sample_rows), width)
+        staged[:] = batch.token_ids_cpu[sample_rows[:, None], columns]
+        staged[self._arange[:width] >= num_drafts[:, None]] = -1
+        return self.draft_token_ids.copy_to_gpu(staged.size).view(len(sample_rows), width)
 
     def _score_prompt_tokens(self, hidden_states: torch.Tensor) -> None:
         """Fill the prompt-logprobs buffers of the rows that asked, for the prompt tokens this step's chunk scores."""

@@ -56,3 +56,13 @@ def test_slots_follow_growing_histories_and_are_reused() -> None:
     assert proposer.sync("c", [5, 6]) == slot and proposer.req_ids == ["b", "c"]
     drafts, counts = proposer.propose([slot, other], 2)
     assert counts.tolist() == [0, 1] and drafts[1, 0] == 7
+
+
+def test_fill_drafts_tops_every_row_up_with_its_last_token() -> None:
+    """Forced acceptance (benchmarks): k drafts every step, matched ones first."""
+    proposer = NgramProposer(max_num_seqs=2, max_model_len=16, min_n=2, max_n=2, fill_drafts=True)
+    matched = proposer.sync("a", [1, 2, 3, 1, 2])  # 1, 2 repeats: 3, 1, 2 followed it
+    unmatched = proposer.sync("b", [4, 5, 6])
+    drafts, counts = proposer.propose([matched, unmatched], 4)
+    assert counts.tolist() == [4, 4]
+    assert drafts.tolist() == [[3, 1, 2, 2], [6, 6, 6, 6]]
