@@ -355,7 +355,7 @@ def test_tiny_checkpoint_reasons_freely_then_follows_the_schema(tiny_path: str, 
         (opening, OPEN, [OPEN] * 3),
         (opening, ord("{"), []),
     ]
-    prompts = [[(11 * i + j) % 200 + 40 for j in range(30)] for i in range(9)]
+    prompts = [[(11 * i + j) % 200 + 40 for j in range(30)] for i in range(6)]
     params = [
         SamplingParams(
             temperature=0.9 if i % 2 else 0,
@@ -364,7 +364,7 @@ def test_tiny_checkpoint_reasons_freely_then_follows_the_schema(tiny_path: str, 
             logit_bias={cases[i % 3][1]: 100.0},
             structured_outputs=cases[i % 3][0],
         )
-        for i in range(9)
+        for i in range(6)
     ]
     cut = SamplingParams(temperature=0, max_tokens=2, logit_bias={THINK: 100.0}, structured_outputs=end_only)
     outputs = generate(llm, [*prompts, prompts[0]], [*params, cut])
