@@ -1,5 +1,6 @@
-"""Time `pagoda serve` from launch to its first `/health` 200, for one or more checkouts, in
-alternating rounds (a shared machine's load swings between runs: compare within a round).
+"""Time `pagoda serve` from launch to its first `/health` 200, and from SIGTERM (once healthy)
+to its exit, for one or more checkouts, in alternating rounds (a shared machine's load swings
+between runs: compare within a round).
 
     python benchmarks/startup.py --rounds 3 CHECKOUT [CHECKOUT ...] -- --dtype float32 --device cpu
 
@@ -30,27 +31,37 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def time_to_healthy(checkout: str, serve_args: list[str]) -> float:
+def time_start_and_stop(checkout: str, serve_args: list[str]) -> tuple[float, float]:
+    """(seconds from launch to healthy, seconds from SIGTERM to the process's exit)."""
     port = free_port()
     command = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--port", str(port), *serve_args]
     env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
     start = time.monotonic()
     server = subprocess.Popen(command, cwd=checkout, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while time.monotonic() - start < TIMEOUT_S:
-            if server.poll() is not None:
-                raise RuntimeError(f"{checkout}: the server exited with {server.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as answer:
-                    if answer.status == 200:
-                        return time.monotonic() - start
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(POLL_S)
-        raise TimeoutError(f"{checkout}: not healthy within {TIMEOUT_S:g} s")
-    finally:
+        ready = wait_healthy(server, port, start, checkout)
+        stop = time.monotonic()
         server.terminate()
-        server.wait(60)
+        server.wait(TIMEOUT_S)
+        return ready, time.monotonic() - stop
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(60)
+
+
+def wait_healthy(server: subprocess.Popen, port: int, start: float, checkout: str) -> float:
+    while time.monotonic() - start < TIMEOUT_S:
+        if server.poll() is not None:
+            raise RuntimeError(f"{checkout}: the server exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as answer:
+                if answer.status == 200:
+                    return time.monotonic() - start
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(POLL_S)
+    raise TimeoutError(f"{checkout}: not healthy within {TIMEOUT_S:g} s")
 
 
 def main() -> None:
@@ -60,17 +71,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("checkouts", nargs="+")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    times: dict[str, list[float]] = {checkout: [] for checkout in args.checkouts}
+    starts: dict[str, list[float]] = {checkout: [] for checkout in args.checkouts}
+    stops: dict[str, list[float]] = {checkout: [] for checkout in args.checkouts}
     for number in range(1, args.rounds + 1):
         row = []
         for checkout in args.checkouts:
-            times[checkout].append(time_to_healthy(checkout, serve_args))
-            row.append(f"{checkout}: {times[checkout][-1]:.2f} s")
+            ready, stopped = time_start_and_stop(checkout, serve_args)
+            starts[checkout].append(ready)
+            stops[checkout].append(stopped)
+            row.append(f"{checkout}: ready {ready:.2f} s, stopped {stopped:.2f} s")
         print(f"round {number}: " + ", ".join(row), flush=True)
-    print("| checkout | ready, s (each round) | median s |")
-    print("|---|---|---|")
-    for checkout, seconds in times.items():
-        print(f"| {checkout} | {', '.join(f'{s:.2f}' for s in seconds)} | {statistics.median(seconds):.2f} |")
+    print("| checkout | ready, s (each round) | median s | stop, s (each round) | median s |")
+    print("|---|---|---|---|---|")
+    for checkout in args.checkouts:
+        ready, stopped = starts[checkout], stops[checkout]
+        print(
+            f"| {checkout} | {', '.join(f'{s:.2f}' for s in ready)} | {statistics.median(ready):.2f} "
+            f"| {', '.join(f'{s:.2f}' for s in stopped)} | {statistics.median(stopped):.2f} |"
+        )
 
 
 if __name__ == "__main__":
