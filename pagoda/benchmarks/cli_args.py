@@ -39,6 +39,24 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
 
 
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    """Speculation off and on in one run (see `pagoda.benchmarks.speculative`)."""
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='also run with speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
+    parser.add_argument(
+        "--forced-acceptance",
+        type=float,
+        default=None,
+        metavar="ALPHA",
+        help="benchmark-only: accept each draft with probability ALPHA in [0, 1] whatever the model says, "
+        "and draft k tokens every step (outputs are not the model's; needs --speculative-config)",
+    )
+
+
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--load-format", default="auto")
@@ -52,6 +70,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     add_parallel_args(parser)
+    add_speculative_args(parser)
     parser.add_argument(
         "--peer",
         choices=["none", "hf"],
@@ -80,6 +99,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (median)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
+    add_speculative_args(parser)
     parser.add_argument("--peer", choices=["none", "hf"], default="none", help="hf: HF generate, static cache")
     parser.add_argument("--result-json", default=None, help="also write the figures to this file")
 

@@ -7,6 +7,8 @@ Decode per token = (time of N output tokens - time of 1 output token) / (N - 1),
 of `--repeats` runs each, so prefill and per-request costs cancel. Prefix caching is off:
 every run computes its prompt. `--peer hf` runs HF transformers `generate` with a static
 cache (greedy, the same prompts and token counts) in the same process after Pagoda.
+With `--speculative-config` every figure is also taken with speculation on, after the plain
+engine (see `speculative`), beside the verify step's time against a plain decode step's.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ from pagoda.benchmarks.roofline import (
     measure_device_rates,
     model_shape,
     prefill_work,
+)
+from pagoda.benchmarks.speculative import (
+    PLAIN,
+    SPECULATIVE,
+    Acceptance,
+    AcceptanceProbe,
+    acceptance_probe,
+    describe,
+    engine_variants,
+    speculative_config,
 )
 from pagoda.config import ConfigError
 from pagoda.engine.arg_utils import create_engine_config
@@ -126,17 +138,79 @@ def _median_seconds(generate: GenerateFn, prompts: list[list[int]], max_tokens: 
     return statistics.median(generate(prompts, max_tokens) for _ in range(repeats))
 
 
-def measure(generate: GenerateFn, plan: LatencyPlan) -> dict[str, float]:
-    """Milliseconds of every figure for one engine."""
+def measure(
+    generate: GenerateFn, plan: LatencyPlan, probe: AcceptanceProbe | None = None
+) -> tuple[dict[str, float], dict[int, Acceptance]]:
+    """Milliseconds of every figure for one engine, and with speculation (`probe`) the
+    acceptance of each batch size's decode runs."""
     ms = {}
+    acceptance = {}
     for batch_size in plan.batch_sizes:
         prompts = plan.decode_prompts[:batch_size]
-        first = _median_seconds(generate, prompts, 1, plan.repeats)
-        full = _median_seconds(generate, prompts, plan.output_len, plan.repeats)
-        ms[decode_name(batch_size)] = 1000.0 * (full - first) / (plan.output_len - 1)
+
+        def decode_ms(prompts: list[list[int]] = prompts) -> float:
+            first = _median_seconds(generate, prompts, 1, plan.repeats)
+            full = _median_seconds(generate, prompts, plan.output_len, plan.repeats)
+            return 1000.0 * (full - first) / (plan.output_len - 1)
+
+        if probe is None:
+            ms[decode_name(batch_size)] = decode_ms()
+        else:
+            ms[decode_name(batch_size)], acceptance[batch_size] = probe(decode_ms)
     for prompt in plan.prefill_prompts:
         ms[prefill_name(len(prompt))] = 1000.0 * _median_seconds(generate, [prompt], 1, plan.repeats)
-    return ms
+    return ms, acceptance
+
+
+@dataclass(frozen=True)
+class SpeculativeDecode:
+    """Decode at one batch size with speculation off and on. The speculating engine's step time
+    is its decode time over its steps: each request's N - 1 decode tokens less the drafts it
+    accepted (every step but a last one capped by max_tokens verifies drafts, so at batch 1 this
+    is the verify step; above it, the mean request's steps)."""
+
+    batch_size: int
+    ms_per_token_off: float  # one token per step: also the plain decode step
+    ms_per_token_on: float
+    verify_step_ms: float
+    acceptance: Acceptance
+
+    @classmethod
+    def of(cls, batch_size: int, off: float, on: float, acceptance: Acceptance, plan: LatencyPlan) -> SpeculativeDecode:
+        full_runs = batch_size * (plan.repeats + 1)  # the untimed run too: the probe counts it
+        steps = plan.output_len - 1 - acceptance.num_accepted_tokens / full_runs
+        return cls(batch_size, off, on, on * (plan.output_len - 1) / steps, acceptance)
+
+    def as_dict(self) -> dict:
+        return {
+            "batch_size": self.batch_size,
+            "tok_per_s_off": 1000.0 / self.ms_per_token_off,
+            "tok_per_s_on": 1000.0 / self.ms_per_token_on,
+            "s_per_token_off": self.ms_per_token_off / 1000.0,
+            "s_per_token_on": self.ms_per_token_on / 1000.0,
+            "speedup": self.ms_per_token_off / self.ms_per_token_on,
+            "decode_step_ms": self.ms_per_token_off,
+            "verify_step_ms": self.verify_step_ms,
+            "verify_over_decode_step": self.verify_step_ms / self.ms_per_token_off,
+            **asdict(self.acceptance),
+        }
+
+
+def format_speculation(rows: list[SpeculativeDecode]) -> str:
+    header = (
+        f"{'batch':>5}{'tok/s off':>11}{'tok/s on':>11}{'speedup':>9}{'decode step ms':>16}{'verify step ms':>16}"
+        f"{'x decode':>10}{'accept':>8}{'mean len':>10}  per position"
+    )
+    lines = [header]
+    for row in rows:
+        d = row.as_dict()
+        positions = " ".join(f"{p:.2f}" for p in row.acceptance.per_position_acceptance)
+        lines.append(
+            f"{row.batch_size:>5}{d['tok_per_s_off']:>11.1f}{d['tok_per_s_on']:>11.1f}{d['speedup']:>9.2f}"
+            f"{row.ms_per_token_off:>16.3f}{row.verify_step_ms:>16.3f}{d['verify_over_decode_step']:>10.2f}"
+            f"{row.acceptance.acceptance_rate:>8.3f}{row.acceptance.mean_accepted_length:>10.3f}  {positions}"
+        )
+    return "\n".join(lines)
 
 
 def pagoda_generate(llm: LLM) -> GenerateFn:
@@ -189,6 +263,7 @@ def format_table(figures: list[Figure], engines: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
+    spec_config = speculative_config(args)
     engine_kwargs = dict(
         load_format=args.load_format,
         dtype=args.dtype,
@@ -206,22 +281,30 @@ def run(args: argparse.Namespace) -> dict:
     dtype = model_config.dtype
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
 
-    engines = ["pagoda"]
-    llm = LLM(model=args.model, **engine_kwargs)
-    # Measured on the same device, with the engine loaded, just before its figures.
-    rates = measure_device_rates(device, dtype)
-    # Tensor parallelism splits each step's reads and FLOPs across its GPUs; pipeline stages run
-    # one after another for a single batch, so they do not lower the floor.
-    figures = plan_figures(plan, model_shape(model_config.hf_config), dtype_bytes, rates, args.tensor_parallel_size)
-    by_name = {figure.name: figure for figure in figures}
-    for name, ms in measure(pagoda_generate(llm), plan).items():
-        by_name[name].ms["pagoda"] = ms
-    llm.shutdown()
-    del llm
-    free_device_memory()  # the engine's KV cache and graphs, before the peer loads
+    engines = []
+    figures: list[Figure] = []
+    acceptance: dict[int, Acceptance] = {}
+    for engine, spec in engine_variants(spec_config):
+        llm = LLM(model=args.model, speculative_config=spec, **engine_kwargs)
+        if not figures:
+            # Measured on the same device, with the engine loaded, just before its figures.
+            rates = measure_device_rates(device, dtype)
+            # Tensor parallelism splits each step's reads and FLOPs across its GPUs; pipeline stages
+            # run one after another for a single batch, so they do not lower the floor.
+            shape = model_shape(model_config.hf_config)
+            figures = plan_figures(plan, shape, dtype_bytes, rates, args.tensor_parallel_size)
+            by_name = {figure.name: figure for figure in figures}
+        engine_ms, engine_acceptance = measure(pagoda_generate(llm), plan, acceptance_probe(llm))
+        for name, ms in engine_ms.items():
+            by_name[name].ms[engine] = ms
+        acceptance.update(engine_acceptance)
+        engines.append(engine)
+        llm.shutdown()
+        del llm
+        free_device_memory()  # the engine's KV cache and graphs, before the next engine or the peer
     if args.peer == "hf":
         hf_model = load_hf_model(model_config.model, model_config.load_format, dtype, str(device))
-        for name, ms in measure(hf_static_generate(hf_model), plan).items():
+        for name, ms in measure(hf_static_generate(hf_model), plan)[0].items():
             by_name[name].ms["hf-static"] = ms
         engines.append("hf-static")
         del hf_model
@@ -238,6 +321,13 @@ def run(args: argparse.Namespace) -> dict:
         + f" (max_num_batched_tokens {plan.chunk_size}); median of {plan.repeats}"
     )
     print(format_table(figures, engines))
+    speculation = [
+        SpeculativeDecode.of(b, by_name[decode_name(b)].ms[PLAIN], by_name[decode_name(b)].ms[SPECULATIVE], a, plan)
+        for b, a in acceptance.items()
+    ]
+    if spec_config is not None:
+        print(f"speculation ({describe(spec_config)}): per-request decode, {PLAIN} against {SPECULATIVE}")
+        print(format_speculation(speculation))
     result = {
         "model": model_config.model,
         "load_format": model_config.load_format,
@@ -252,6 +342,11 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": plan.repeats,
         "figures": [asdict(f) for f in figures],
     }
+    if spec_config is not None:
+        result["speculation"] = {
+            "config": asdict(spec_config),
+            "decode": [row.as_dict() for row in speculation],
+        }
     if args.result_json:
         with open(args.result_json, "w") as file:
             json.dump(result, file, indent=2)

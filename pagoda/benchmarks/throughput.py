@@ -14,7 +14,8 @@ H200), and Pagoda on those K again, both rows labelled with the subset.
 
 Every row is printed beside the workload's floor (`roofline.workload_floor_seconds`: weight and
 KV-cache bytes over the copy bandwidth, or FLOPs over the matmul rate, both measured in the
-same run) as a fraction: floor seconds / measured seconds.
+same run) as a fraction: floor seconds / measured seconds. With `--speculative-config` the
+workload runs again with speculation on, after the plain engine (see `speculative`).
 """
 
 from __future__ import annotations
@@ -25,15 +26,30 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.benchmarks.cli_args import add_throughput_args
 from pagoda.benchmarks.hf_peer import free_device_memory, load_hf_model
-from pagoda.benchmarks.roofline import measure_device_rates, model_shape, workload_floor_seconds
-from pagoda.config import ConfigError
+from pagoda.benchmarks.roofline import (
+    DeviceRates,
+    ModelShape,
+    measure_device_rates,
+    model_shape,
+    workload_floor_seconds,
+)
+from pagoda.benchmarks.speculative import (
+    PLAIN,
+    SPECULATIVE,
+    Acceptance,
+    acceptance_probe,
+    describe,
+    engine_variants,
+    speculative_config,
+)
+from pagoda.config import ConfigError, EngineConfig
 
 
 @dataclass
@@ -74,9 +90,12 @@ def nanobench_workload(num_prompts: int = 256) -> Workload:
     return Workload(prompts, output_lens, temperature=0.6)
 
 
+def warm_up(llm: LLM, workload: Workload) -> None:
+    llm.generate(workload.prompts[:2], [SamplingParams(max_tokens=16, ignore_eos=True)] * 2, use_tqdm=False)
+
+
 def run_pagoda(llm: LLM, workload: Workload) -> float:
     params = workload.sampling_params()
-    llm.generate(workload.prompts[:2], [SamplingParams(max_tokens=16, ignore_eos=True)] * 2, use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -184,6 +203,39 @@ def main(argv: list[str] | None = None) -> None:
     run(args)
 
 
+@dataclass(frozen=True)
+class Floor:
+    """What a workload's floor on this device takes: its model's shape and the measured rates."""
+
+    shape: ModelShape
+    max_num_batched_tokens: int
+    dtype_bytes: int
+    rates: DeviceRates
+    num_gpus: int  # every GPU does its share of the work at once (TP splits each step, PP stages overlap)
+
+    @classmethod
+    def measure(cls, config: EngineConfig) -> Floor:
+        model_config = config.model_config
+        budget = config.scheduler_config.max_num_batched_tokens
+        assert budget is not None
+        return cls(
+            model_shape(model_config.hf_config),
+            budget,
+            torch.empty((), dtype=model_config.dtype).element_size(),
+            measure_device_rates(torch.device(config.device_config.device), model_config.dtype),
+            config.parallel_config.world_size,
+        )
+
+    def seconds(self, part: Workload) -> float:
+        lens = [len(p) for p in part.prompts]
+        return (
+            workload_floor_seconds(
+                self.shape, lens, part.output_lens, self.max_num_batched_tokens, self.dtype_bytes, self.rates
+            )
+            / self.num_gpus
+        )
+
+
 @dataclass
 class Measurement:
     engine: str
@@ -191,6 +243,8 @@ class Measurement:
     seconds: float
     # The workload's floor on this device (`roofline.workload_floor_seconds`).
     floor_seconds: float
+    # What the verify steps accepted, for the speculating engine.
+    acceptance: Acceptance | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -203,7 +257,23 @@ class Measurement:
             "total_tok_per_s": (self.workload.num_prompt_tokens + self.workload.num_output_tokens) / self.seconds,
             "floor_seconds": self.floor_seconds,
             "fraction_of_floor": self.floor_seconds / self.seconds,
+            "acceptance": asdict(self.acceptance) if self.acceptance is not None else None,
         }
+
+
+def measure_engine(llm: LLM, engine: str, parts: list[Workload], floor: Floor) -> list[Measurement]:
+    """Each workload through the loaded engine after one warm-up, with its acceptance if it speculates."""
+    warm_up(llm, parts[0])
+    probe = acceptance_probe(llm)
+    measurements = []
+    for part in parts:
+        if probe is None:
+            seconds, acceptance = run_pagoda(llm, part), None
+        else:
+            seconds, acceptance = probe(lambda part=part: run_pagoda(llm, part))
+        measurements.append(Measurement(engine, part, seconds, floor.seconds(part), acceptance))
+        print(f"{engine}: {seconds:.2f} s", flush=True)
+    return measurements
 
 
 def format_table(measurements: list[Measurement], num_requests: int) -> str:
@@ -229,58 +299,44 @@ def run(args: argparse.Namespace) -> list[Measurement]:
         workload = random_workload(
             args.num_prompts or 32, args.min_prompt_len, args.max_prompt_len, args.output_len, args.seed
         )
+    spec_config = speculative_config(args)
     num_requests = len(workload.prompts)
     if args.peer_num_prompts is not None and not 1 <= args.peer_num_prompts <= num_requests:
         raise ConfigError(f"--peer-num-prompts must be in [1, {num_requests}] (the workload's requests)")
     peer_workload = workload.head(args.peer_num_prompts or num_requests)
-    start = time.perf_counter()
-    llm = LLM(
-        model=args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-    )
-    print(f"pagoda startup (load, profile, graphs): {time.perf_counter() - start:.1f} s", flush=True)
-    config = llm.llm_engine.config
-    model_config = config.model_config
-    device = config.device_config.device
-    # Measured on the same device, with the engine loaded, just before its run.
-    rates = measure_device_rates(torch.device(device), model_config.dtype)
-    shape = model_shape(model_config.hf_config)
-    dtype_bytes = torch.empty((), dtype=model_config.dtype).element_size()
-
-    # Every GPU does its share of the work at once (TP splits each step, PP stages overlap).
-    num_gpus = config.parallel_config.world_size
-
-    def floor_of(part: Workload) -> float:
-        return (
-            workload_floor_seconds(
-                shape,
-                [len(p) for p in part.prompts],
-                part.output_lens,
-                config.scheduler_config.max_num_batched_tokens,
-                dtype_bytes,
-                rates,
-            )
-            / num_gpus
+    measurements: list[Measurement] = []
+    floor: Floor | None = None
+    for engine, spec in engine_variants(spec_config):
+        start = time.perf_counter()
+        llm = LLM(
+            model=args.model,
+            load_format=args.load_format,
+            dtype=args.dtype,
+            device=args.device,
+            enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            speculative_config=spec,
         )
-
-    measurements = [Measurement("pagoda", workload, run_pagoda(llm, workload), floor_of(workload))]
-    print(f"pagoda: {measurements[0].seconds:.2f} s", flush=True)
-    peer_floor = floor_of(peer_workload)
-    if args.peer == "hf" and len(peer_workload.prompts) < num_requests:
-        # Pagoda on the peer's subset too, so the two compare on the same requests.
-        measurements.append(Measurement("pagoda", peer_workload, run_pagoda(llm, peer_workload), peer_floor))
-    llm.shutdown()
-    del llm
-    free_device_memory()  # the engine's KV cache and graphs, before the peer loads
+        print(f"{engine} startup (load, profile, graphs): {time.perf_counter() - start:.1f} s", flush=True)
+        if floor is None:
+            # Measured on the same device, with the engine loaded, just before its run.
+            config = llm.llm_engine.config
+            floor = Floor.measure(config)
+        parts = [workload]
+        if args.peer == "hf" and len(peer_workload.prompts) < num_requests:
+            parts.append(peer_workload)  # the peer's subset too, so the two compare on the same requests
+        measurements += measure_engine(llm, engine, parts, floor)
+        llm.shutdown()
+        del llm
+        free_device_memory()  # the engine's KV cache and graphs, before the next engine or the peer
+    assert floor is not None
+    model_config, rates = config.model_config, floor.rates
     if args.peer == "hf":
+        device = config.device_config.device
         hf_model = load_hf_model(model_config.model, model_config.load_format, model_config.dtype, device)
         engine, seconds = run_hf(hf_model, peer_workload)
-        measurements.append(Measurement(engine, peer_workload, seconds, peer_floor))
+        measurements.append(Measurement(engine, peer_workload, seconds, floor.seconds(peer_workload)))
         del hf_model
         free_device_memory()
     print(
@@ -290,18 +346,27 @@ def run(args: argparse.Namespace) -> list[Measurement]:
     print(
         f"floor: bytes over the copy bandwidth ({rates.copy_bytes_per_s / 1e9:.1f} GB/s) or FLOPs over the "
         f"{model_config.dtype} matmul rate ({rates.matmul_flops_per_s / 1e12:.2f} TFLOP/s) per step, all requests "
-        f"at once, shared by {num_gpus} GPU(s): {measurements[0].floor_seconds:.3f} s = "
+        f"at once, shared by {floor.num_gpus} GPU(s): {measurements[0].floor_seconds:.3f} s = "
         f"{workload.num_output_tokens / measurements[0].floor_seconds:.0f} output tok/s"
     )
     print(format_table(measurements, num_requests))
+    result = {
+        "workload": args.workload,
+        "copy_bytes_per_s": rates.copy_bytes_per_s,
+        "matmul_flops_per_s": rates.matmul_flops_per_s,
+        "measurements": [m.as_dict() for m in measurements],
+    }
+    if spec_config is not None:
+        plain, speculative = (next(m for m in measurements if m.engine == e) for e in (PLAIN, SPECULATIVE))
+        assert speculative.acceptance is not None
+        speedup = plain.seconds / speculative.seconds
+        print(
+            f"speculation ({describe(spec_config)}): {SPECULATIVE} {speedup:.2f}x the output tok/s of {PLAIN}; "
+            + speculative.acceptance.summary()
+        )
+        result["speculation"] = {"config": asdict(spec_config), "speedup": speedup}
     if args.result_json:
         with open(args.result_json, "w") as file:
-            result = {
-                "workload": args.workload,
-                "copy_bytes_per_s": rates.copy_bytes_per_s,
-                "matmul_flops_per_s": rates.matmul_flops_per_s,
-                "measurements": [m.as_dict() for m in measurements],
-            }
             json.dump(result, file, indent=2)
     return measurements
 

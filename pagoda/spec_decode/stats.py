@@ -47,6 +47,21 @@ class SpecDecodingStats:
             for accepted, drafted in zip(self.accepted_per_position, self.drafted_per_position, strict=True)
         ]
 
+    def since(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
+        """The counts added after `earlier` (a copy of these stats taken before): one run's figures."""
+        width = len(self.drafted_per_position)
+
+        def pad(counts: list[int]) -> list[int]:
+            return counts + [0] * (width - len(counts))
+
+        return SpecDecodingStats(
+            self.num_verify_steps - earlier.num_verify_steps,
+            self.num_draft_tokens - earlier.num_draft_tokens,
+            self.num_accepted_tokens - earlier.num_accepted_tokens,
+            [a - b for a, b in zip(self.drafted_per_position, pad(earlier.drafted_per_position), strict=True)],
+            [a - b for a, b in zip(self.accepted_per_position, pad(earlier.accepted_per_position), strict=True)],
+        )
+
     def copy(self) -> SpecDecodingStats:
         return SpecDecodingStats(
             self.num_verify_steps,
