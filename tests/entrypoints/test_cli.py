@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -15,6 +17,14 @@ def test_version(capsys) -> None:
         main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"pagoda {__version__}"
+
+
+def test_the_cli_needs_no_server_package() -> None:
+    """`pagoda generate` and `pagoda bench` run where fastapi is not installed (the server's
+    extra): importing the CLI must import neither it nor uvicorn."""
+    code = "import sys, pagoda.entrypoints.cli; print(sorted({'fastapi', 'uvicorn'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_log_level_before_or_after_the_command() -> None:

@@ -11,7 +11,8 @@ from structured_output.byte_tokenizer import byte_tokenizer
 from test_tool_parsers import PARIS, stream
 
 from pagoda.entrypoints.openai.message_parser import MessageParser, ParsedMessage
-from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, OutputStart, ReasoningMarkers, output_start
+from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, OutputStart
+from pagoda.entrypoints.openai.reasoning.gate import ReasoningMarkers, output_start
 from pagoda.entrypoints.openai.structured import json_object
 from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 

@@ -43,13 +43,8 @@ from pagoda.entrypoints.openai.protocol import (
     ToolCallDelta,
     TopLogprob,
 )
-from pagoda.entrypoints.openai.reasoning import (
-    REASONING_PARSERS,
-    OutputStart,
-    ReasoningMarkers,
-    ReasoningParser,
-    output_start,
-)
+from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, OutputStart, ReasoningParser
+from pagoda.entrypoints.openai.reasoning.gate import ReasoningMarkers, output_start
 from pagoda.entrypoints.openai.serving_base import (
     ONE_SERVICE_TIER,
     FieldRule,
