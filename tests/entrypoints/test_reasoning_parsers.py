@@ -7,6 +7,9 @@ token ids the constraint's reasoning gate gets."""
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("fastapi")  # the constraint gate and the structured fields are the server's
+
 from structured_output.byte_tokenizer import byte_tokenizer
 from test_tool_parsers import PARIS, stream
 
