@@ -77,7 +77,6 @@ REFUSED = {
     "moderation",
     "prediction",
     "suffix",
-    "tool_choice",  # "auto" without tools
     "web_search_options",
 }
 TOOL_TEMPLATE = (
