@@ -23,6 +23,7 @@ pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path  # noqa: E402
 from server_utils import API_KEY, LONG_CONTEXT, LONG_SERVER, MODEL, RemoteServer, assert_error  # noqa: E402
+from test_server_structured import WEATHER as CHAT_WEATHER  # noqa: E402
 
 from pagoda.entrypoints.openai.errors import OpenAIError  # noqa: E402
 from pagoda.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest, Turn, TurnCall  # noqa: E402
@@ -159,18 +160,8 @@ def test_what_is_not_supported_is_refused_by_name(body: dict, param: str, words:
     assert words in error.message, error.message
 
 
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["c", "f"]}},
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
-    "strict": True,
-}
+# The chat tests' tool in the Responses API's flat shape.
+WEATHER = {"type": "function", **CHAT_WEATHER["function"], "strict": True}
 TIME = {"type": "function", "name": "get_time", "description": "The time now"}
 
 
