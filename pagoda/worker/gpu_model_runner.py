@@ -618,7 +618,9 @@ class GPUModelRunner:
             sample_rows=sample_rows,
             num_drafts=num_drafts,
             logits_start=logits_start,
-            sampling_metadata=self._sampling_metadata(sample_rows, num_drafts) if self.is_last_stage else None,
+            sampling_metadata=(
+                self._sampling_metadata(sample_rows, num_drafts, logits_start) if self.is_last_stage else None
+            ),
             draft_token_ids=draft_token_ids,
             logits_start_device=logits_start_device,
         )
@@ -648,9 +650,12 @@ class GPUModelRunner:
             source = pending.sampled_token_ids[self.prev_sampled_src.copy_to_gpu(num), 0]
             input_ids.index_copy_(0, self.prev_sampled_dst.copy_to_gpu(num), source)
 
-    def _sampling_metadata(self, sample_rows: np.ndarray, num_drafts: np.ndarray) -> SamplingMetadata | None:
+    def _sampling_metadata(
+        self, sample_rows: np.ndarray, num_drafts: np.ndarray, logits_start: np.ndarray
+    ) -> SamplingMetadata | None:
         """Sampling settings of the rows that sample, sent before the forward with the inputs:
-        in a verify step one entry per position (see `SamplingBatch.metadata`)."""
+        in a verify step one entry per position (see `SamplingBatch.metadata`); `logits_start`:
+        each sampled row's first row among the logits."""
         if len(sample_rows) == 0:
             return None
         rows_device = None
@@ -661,7 +666,7 @@ class GPUModelRunner:
             return self.input_batch.sampling_metadata(sample_rows, rows_device)
         num_logits = num_drafts + 1
         logits_rows = np.repeat(sample_rows, num_logits)
-        offsets = self._arange[: len(logits_rows)] - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+        offsets = self._arange[: len(logits_rows)] - np.repeat(logits_start, num_logits)
         self.logits_rows.np[: len(logits_rows)] = logits_rows
         return self.input_batch.sampling_metadata(logits_rows, self.logits_rows.copy_to_gpu(len(logits_rows)), offsets)
 
