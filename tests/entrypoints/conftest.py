@@ -27,12 +27,11 @@ def _stop(server: RemoteServer, exit_codes: tuple[int, ...] | None, may_exit_fir
 
 
 @pytest.fixture(scope="session")
-def tiny_model_args(tmp_path_factory) -> tuple[str, ...]:
-    """`pagoda serve` arguments for a tiny random Llama (2 layers, hidden size 64) with SmolLM2's
-    tokenizer and chat template, served under SmolLM2's name: for the modules that test the
-    server's machinery (connections, load, faults, shutdown, fuzzing, the event loop), not the
-    model's answers. Its steps cost a fraction of SmolLM2's, and it starts without a GGUF
-    file to dequantize."""
+def tiny_checkpoint(tmp_path_factory) -> str:
+    """A tiny random Llama (2 layers, hidden size 64) with SmolLM2's tokenizer and chat template:
+    for the modules that test the server's machinery (connections, load, faults, sleep, fuzzing,
+    the event loop), not the model's answers. Its steps cost a fraction of SmolLM2's, and it
+    starts without a GGUF file to dequantize."""
     from model_utils import save_random_checkpoint
     from transformers import LlamaConfig
 
@@ -53,7 +52,13 @@ def tiny_model_args(tmp_path_factory) -> tuple[str, ...]:
     )
     save_random_checkpoint(config, path)
     load_tokenizer(gguf_path, "gguf").save_pretrained(path)
-    return ("--model", path, "--served-model-name", MODEL)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_args(tiny_checkpoint: str) -> tuple[str, ...]:
+    """`pagoda serve` arguments for `tiny_checkpoint`, served under SmolLM2's name."""
+    return ("--model", tiny_checkpoint, "--served-model-name", MODEL)
 
 
 @pytest.fixture(scope="module")

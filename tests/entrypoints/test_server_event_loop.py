@@ -47,11 +47,6 @@ def server(start_server, tiny_model_args: tuple[str, ...]) -> RemoteServer:
     )
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tiny_model_args: tuple[str, ...]) -> str:
-    return tiny_model_args[tiny_model_args.index("--model") + 1]
-
-
 def big_bodies(checkpoint: str) -> list[tuple[str, bytes, int]]:
     """(route, JSON body, the status it must get), encoded once so that the sender spends no time on it."""
     max_chars = MAX_MODEL_LEN * max_chars_per_token(load_tokenizer(checkpoint, "safetensors"))
@@ -125,10 +120,10 @@ def p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10)[-1]
 
 
-def test_big_requests_do_not_hold_the_event_loop(server: RemoteServer, checkpoint: str) -> None:
+def test_big_requests_do_not_hold_the_event_loop(server: RemoteServer, tiny_checkpoint: str) -> None:
     asyncio.run(measure(server.url))  # warm up
     base_latencies, base_gaps = asyncio.run(measure(server.url))
-    sender = BigSender(server.url, big_bodies(checkpoint))
+    sender = BigSender(server.url, big_bodies(tiny_checkpoint))
     sender.start()
     try:
         while len(sender.answers) < 2:  # the big requests are under way

@@ -125,11 +125,8 @@ def test_sleep_with_a_request_in_flight_is_refused(server: RemoteServer, greedy_
     assert completion_text(server) == greedy_text
 
 
-def test_update_weights_loads_in_place(
-    server: RemoteServer, greedy_text: str, tiny_model_args: tuple[str, ...]
-) -> None:
-    checkpoint = tiny_model_args[tiny_model_args.index("--model") + 1]
-    response = server.post("/update_weights", json={"path": checkpoint})
+def test_update_weights_loads_in_place(server: RemoteServer, greedy_text: str, tiny_checkpoint: str) -> None:
+    response = server.post("/update_weights", json={"path": tiny_checkpoint})
     assert response.status_code == 200, response.text
     assert completion_text(server) == greedy_text
 
