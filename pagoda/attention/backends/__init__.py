@@ -40,6 +40,8 @@ class AttentionLimits:
     num_heads: int
     max_num_seqs: int
     max_model_len: int
+    # Steps may cascade (shared prefixes read once per group): builders size its workspace.
+    cascade: bool = False
 
 
 class AttentionLayerImpl(abc.ABC):

@@ -7,6 +7,10 @@ SDPA call each. GQA never copies K/V: the query heads of a group are folded into
 length instead. A sliding window masks keys older than the window (their blocks may already
 belong to another request, so they are zeroed before use), and a logit soft-cap squashes
 scores with cap * tanh(score / cap) before the softmax.
+
+Cascade (metadata.cascade set): each prefix group's queries attend once over its shared prefix
+(gathered from the leader's blocks), each request over its own keys after the prefix, and the two
+softmaxes merge by their log-sum-exps: the definition the Triton cascade kernels are checked by.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class TorchAttentionImpl(AttentionLayerImpl):
         Returns [T, H, D]; rows past the real tokens (padding) are zero.
         """
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        if metadata.cascade is not None:
+            return self._cascade_forward(query, kv_cache, metadata)
         out = torch.zeros_like(query)
         starts = metadata.query_start_loc_cpu[: metadata.num_reqs + 1]
         query_lens = starts[1:] - starts[:-1]
@@ -69,6 +75,73 @@ class TorchAttentionImpl(AttentionLayerImpl):
             k, v = gather_kv(kv_cache, metadata.block_table[row : row + 1], seq_len)
             out[q_start:q_end] = self._attend(query[q_start:q_end][None], k, v, seq_lens[row : row + 1])[0]
         return out
+
+    def _cascade_forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Suffix attention per request (keys from its prefix length on), prefix attention per
+        group, merged by log-sum-exp; rows past the real tokens are zero."""
+        cascade = metadata.cascade
+        assert cascade is not None
+        out = torch.zeros_like(query)
+        lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
+        starts = metadata.query_start_loc_cpu[: metadata.num_reqs + 1]
+        seq_lens = metadata.seq_lens_cpu[: metadata.num_reqs]
+        for row in torch.nonzero(starts[1:] > starts[:-1]).flatten().tolist():
+            q_start, q_end, seq_len = int(starts[row]), int(starts[row + 1]), int(seq_lens[row])
+            key_start = int(cascade.prefix_lens_cpu[row])
+            k, v = gather_kv(kv_cache, metadata.block_table[row : row + 1], seq_len)
+            o, row_lse = self._attend_with_lse(query[q_start:q_end][None], k, v, seq_lens[row : row + 1], key_start)
+            out[q_start:q_end], lse[q_start:q_end] = o[0], row_lse[0]
+        token_groups = cascade.token_groups_cpu[: metadata.num_actual_tokens]
+        for group in range(cascade.num_groups):
+            tokens = torch.nonzero(token_groups == group).flatten().to(query.device)
+            prefix_len = int(cascade.group_prefix_lens_cpu[group])
+            leader = int(cascade.group_leaders_cpu[group])
+            k, v = gather_kv(kv_cache, metadata.block_table[leader : leader + 1], prefix_len)
+            # Every prefix key is visible to every query: one row of all the group's tokens.
+            last = torch.tensor([prefix_len + len(tokens)])
+            o, prefix_lse = self._attend_with_lse(query[tokens][None], k, v, last, causal=False)
+            top = torch.maximum(lse[tokens], prefix_lse[0])
+            w_suffix, w_prefix = torch.exp(lse[tokens] - top), torch.exp(prefix_lse[0] - top)
+            merged = out[tokens] * w_suffix[..., None] + o[0] * w_prefix[..., None]
+            out[tokens] = (merged / (w_suffix + w_prefix)[..., None]).to(out.dtype)
+        return out
+
+    def _attend_with_lse(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_lens: torch.Tensor,
+        key_start: int = 0,
+        causal: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `_attend` over keys [key_start, seq_len) only (all keys when not causal), also
+        returning each query head's natural log-sum-exp: ([B, q_len, H, D], [B, q_len, H])."""
+        batch, q_len, num_heads, head_size = q.shape
+        num_kv_heads, kv_len = k.shape[2], k.shape[1]
+        group = num_heads // num_kv_heads
+        seq_lens = seq_lens.to(q.device)
+        kv_pos = torch.arange(kv_len, device=q.device)
+        if causal:
+            q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)
+            mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos >= key_start)
+            if self.sliding_window:
+                mask &= kv_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        else:
+            mask = torch.ones(batch, q_len, kv_len, dtype=torch.bool, device=q.device)
+        # [B, q_len, Hkv, group, L]: query head h = kv_head * group + g reads KV head kv_head.
+        qg = q.view(batch, q_len, num_kv_heads, group, head_size).float()
+        scores = torch.einsum("bqkgd,blkd->bqkgl", qg, torch.where(mask.any(1)[:, :, None, None], k, 0).float())
+        scores = scores * self.scale
+        if self.logits_soft_cap:
+            scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
+        scores = scores.masked_fill(~mask[:, :, None, None, :], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        values = torch.where(mask.any(1)[:, :, None, None], v, 0).float()
+        o = torch.einsum("bqkgl,blkd->bqkgd", torch.exp(scores - lse[..., None]), values)
+        return o.reshape(batch, q_len, num_heads, head_size).to(q.dtype), lse.reshape(batch, q_len, num_heads)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Causal attention of the last q_len positions of each row over its seq_len keys.

@@ -5,6 +5,10 @@ the batch alone cannot fill the GPU. The builder picks the split count from the 
 size and the longest key range a query can read (max_model_len, or the window of a
 sliding-window group) only, and the partial results live in a workspace it allocates once, so
 a CUDA graph captured per batch size replays correctly at any sequence length.
+
+A cascade step (metadata.cascade set, see `pagoda.attention.cascade`) runs the prefix pass, the
+suffix pass and their merge (`cascade_attention`); its prefix split count is planned the same
+way, from the padded token count, into a second workspace allocated once.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from pagoda.attention.backends import AttentionBackend, AttentionLayerImpl, AttentionLimits, CUDAGraphSupport
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.attention.ops.triton_cascade_attention import cascade_attention, choose_prefix_splits
 from pagoda.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from pagoda.attention.ops.triton_unified_attention import SplitKWorkspace, choose_num_kv_splits, unified_attention
 from pagoda.kv_cache_interface import AttentionSpec, SlidingWindowSpec
@@ -36,6 +41,9 @@ class TritonAttentionMetadata(AttentionMetadata):
 
     num_kv_splits: int = 1
     workspace: SplitKWorkspace | None = None
+    # A cascade step's prefix-pass splits and their workspace.
+    num_prefix_splits: int = 1
+    prefix_workspace: SplitKWorkspace | None = None
 
 
 class TritonMetadataBuilder:
@@ -43,6 +51,7 @@ class TritonMetadataBuilder:
 
     def __init__(self, spec: AttentionSpec, limits: AttentionLimits, device: torch.device | str) -> None:
         self.num_kv_heads = spec.num_kv_heads
+        self.num_heads = limits.num_heads
         self.max_num_seqs = limits.max_num_seqs
         # The most keys one query reads: splits shorter than that are pointless.
         self.max_keys = limits.max_model_len
@@ -51,6 +60,16 @@ class TritonMetadataBuilder:
         self.num_sms = _num_sms(torch.device(device))
         max_rows_x_splits = max(rows * self.num_kv_splits(rows) for rows in range(1, limits.max_num_seqs + 1))
         self.workspace = SplitKWorkspace.allocate(max_rows_x_splits, limits.num_heads, spec.head_size, device)
+        # Cascade steps take at most max_num_seqs tokens (the runner's rule): the suffix parts fit
+        # the workspace above, the prefix parts get their own.
+        self.prefix_workspace = None
+        if limits.cascade:
+            max_tokens_x_splits = max(
+                tokens * self.num_prefix_splits(tokens) for tokens in range(1, limits.max_num_seqs + 1)
+            )
+            self.prefix_workspace = SplitKWorkspace.allocate(
+                max_tokens_x_splits, limits.num_heads, spec.head_size, device
+            )
 
     def num_kv_splits(self, num_rows: int) -> int:
         """Splits for a decode launch of `num_rows` (padded) rows; 1 beyond max_num_seqs."""
@@ -58,13 +77,26 @@ class TritonMetadataBuilder:
             return 1
         return choose_num_kv_splits(num_rows, self.num_kv_heads, self.max_keys, self.num_sms)
 
+    def num_prefix_splits(self, num_tokens: int) -> int:
+        """Prefix-pass splits of a cascade step of `num_tokens` (padded) tokens."""
+        return choose_prefix_splits(num_tokens, self.num_heads, self.num_kv_heads, self.max_keys, self.num_sms)
+
     def build(self, common: AttentionMetadata) -> TritonAttentionMetadata:
         num_input_tokens = common.slot_mapping.shape[0]
         num_splits = self.num_kv_splits(num_input_tokens) if common.max_query_len == 1 else 1
+        fields = {name: getattr(common, name) for name in AttentionMetadata.__dataclass_fields__}
+        if common.cascade is None:
+            return TritonAttentionMetadata(
+                **fields, num_kv_splits=num_splits, workspace=self.workspace if num_splits > 1 else None
+            )
+        if self.prefix_workspace is None:
+            raise ValueError("a cascade step needs a builder made with AttentionLimits(cascade=True)")
         return TritonAttentionMetadata(
-            **{name: getattr(common, name) for name in AttentionMetadata.__dataclass_fields__},
+            **fields,
             num_kv_splits=num_splits,
-            workspace=self.workspace if num_splits > 1 else None,
+            workspace=self.workspace,
+            num_prefix_splits=self.num_prefix_splits(num_input_tokens),
+            prefix_workspace=self.prefix_workspace,
         )
 
 
@@ -83,6 +115,22 @@ class TritonAttentionImpl(AttentionLayerImpl):
         """
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
+        if metadata.cascade is not None:
+            assert metadata.workspace is not None and metadata.prefix_workspace is not None
+            cascade_attention(
+                query,
+                kv_cache,
+                metadata,
+                self.scale,
+                out,
+                metadata.num_kv_splits,
+                metadata.workspace,
+                metadata.num_prefix_splits,
+                metadata.prefix_workspace,
+                sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
+            )
+            return out
         unified_attention(
             query,
             kv_cache,

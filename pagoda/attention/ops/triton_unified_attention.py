@@ -91,6 +91,7 @@ def _paged_attention_kernel(
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    key_start_ptr,
     num_reqs,
     qk_scale,
     softcap_log2,
@@ -113,11 +114,16 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    HAS_KEY_START: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Scores are q.k * qk_scale, in the log2 domain. With USE_SOFTCAP, qk_scale is
     2 * log2(e) * scale / cap and softcap_log2 is cap * log2(e), so that the capped score
-    cap * tanh(x) * log2(e), x = q.k * scale / cap, costs one exp2 (see below)."""
+    cap * tanh(x) * log2(e), x = q.k * scale / cap, costs one exp2 (see below).
+    HAS_KEY_START: request i reads keys from key_start[i] on (a cascade's suffix pass).
+    WRITE_PARTIAL: every split writes its normalized output and log-sum-exp to the partial
+    buffers (split-K, or a cascade's caller merging them), none to out_ptr."""
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -153,6 +159,11 @@ def _paged_attention_kernel(
     kv_len = context_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, query_len)
     if SLIDING_WINDOW > 0:
         key_lo = tl.maximum(context_len + q_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+        if HAS_KEY_START:
+            key_lo = tl.maximum(key_lo, tl.load(key_start_ptr + req))
+        tile_start = key_lo // TILE_N
+    elif HAS_KEY_START:
+        key_lo = tl.load(key_start_ptr + req)
         tile_start = key_lo // TILE_N
     else:
         tile_start = 0
@@ -169,7 +180,7 @@ def _paged_attention_kernel(
     for t in range(tile_lo, tile_hi):
         key_pos = t * TILE_N + keys
         key_valid = key_pos < kv_len
-        if SLIDING_WINDOW > 0:
+        if SLIDING_WINDOW > 0 or HAS_KEY_START:
             key_valid &= key_pos >= key_lo
         block = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         kv_offset = (
@@ -190,6 +201,8 @@ def _paged_attention_kernel(
         visible = key_pos[None, :] <= last_key[:, None]
         if SLIDING_WINDOW > 0:
             visible &= key_pos[None, :] > last_key[:, None] - SLIDING_WINDOW
+        if HAS_KEY_START:
+            visible &= key_pos[None, :] >= key_lo
         s = tl.where(visible, s, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(s, 1))
         # A row with no visible key yet keeps its max at -inf; subtract 0 there instead of -inf.
@@ -202,7 +215,7 @@ def _paged_attention_kernel(
 
     safe_sum = tl.where(row_sum == 0.0, 1.0, row_sum)
     out = acc / safe_sum[:, None]
-    if NUM_SPLITS == 1:
+    if not WRITE_PARTIAL:
         out_offset = token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
         tl.store(out_ptr + out_offset, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
@@ -305,6 +318,8 @@ def unified_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    key_start: torch.Tensor | None = None,
+    partials_only: bool = False,
 ) -> None:
     """out[t] = causal paged attention of query[t] [T, H, D] over kv_cache [2, blocks, block_size, Hkv, D].
 
@@ -314,6 +329,9 @@ def unified_attention(
     with room for T * num_splits rows. sliding_window W (None or 0: off) lets position p see
     keys p - W < k <= p only; block-table entries wholly before a request's first query's window
     are never read. logits_soft_cap c (None or 0: off) maps each score s to c * tanh(s / c).
+    key_start [num_reqs] int32 (a cascade's suffix pass): request i reads keys from key_start[i]
+    on. partials_only: leave every row's num_splits normalized parts and log-sum-exps (base 2)
+    in the workspace, laid out [T, H, num_splits], for the caller to merge; out is untouched.
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[-2]
@@ -321,7 +339,8 @@ def unified_attention(
         raise ValueError(f"query [T, {num_heads}, {head_size}] does not fit kv_cache {tuple(kv_cache.shape)}")
     if query.stride(-1) != 1 or out.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("query, out and kv_cache must be contiguous in head_size")
-    if num_splits > 1 and not (workspace is not None and workspace.fits(num_tokens * num_splits, num_heads, head_size)):
+    write_partial = num_splits > 1 or partials_only
+    if write_partial and not (workspace is not None and workspace.fits(num_tokens * num_splits, num_heads, head_size)):
         raise ValueError(
             f"num_splits={num_splits} for [{num_tokens}, {num_heads}, {head_size}] needs a larger SplitKWorkspace"
         )
@@ -342,8 +361,8 @@ def unified_attention(
     tile_n = tiles.tile_n if query.element_size() <= 2 else tiles.tile_n // 2
     head_size_padded = triton.next_power_of_2(head_size)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    partial_out = workspace.partial_out if num_splits > 1 else out
-    partial_lse = workspace.partial_lse if num_splits > 1 else out
+    partial_out = workspace.partial_out if write_partial else out
+    partial_lse = workspace.partial_lse if write_partial else out
     grid = (num_tokens // block_q + metadata.num_reqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         out,
@@ -355,6 +374,7 @@ def unified_attention(
         metadata.block_table,
         metadata.seq_lens,
         metadata.query_start_loc,
+        key_start if key_start is not None else metadata.seq_lens,
         metadata.num_reqs,
         qk_scale,
         softcap_log2,
@@ -377,11 +397,13 @@ def unified_attention(
         NUM_SPLITS=num_splits,
         SLIDING_WINDOW=sliding_window or 0,
         USE_SOFTCAP=use_softcap,
+        HAS_KEY_START=key_start is not None,
+        WRITE_PARTIAL=write_partial,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not partials_only:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out,
             workspace.partial_out,
