@@ -18,6 +18,8 @@ _MODEL_CLASSES: dict[str, str] = {
     "MistralForCausalLM": "pagoda.model.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "pagoda.model.models.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pagoda.model.models.qwen:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "pagoda.model.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "pagoda.model.models.mixtral:MixtralForCausalLM",
     "Gemma2ForCausalLM": "pagoda.model.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "pagoda.model.models.gemma:Gemma3ForCausalLM",
 }
@@ -28,6 +30,8 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }

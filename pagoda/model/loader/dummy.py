@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from pagoda.model.layers.embedding import VocabParallelEmbedding
+from pagoda.model.layers.fused_moe import FusedMoE
 from pagoda.model.layers.linear import RowParallelLinear, _ColumnShardedLinear
 from pagoda.model.models.decoder import STACKED_PARAMS, TIED_EMBEDDING
 
@@ -65,6 +66,54 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "bos_token_id": 128000,
         "eos_token_id": 128001,
+    },
+    # Qwen/Qwen3-30B-A3B: 128 experts, 8 per token (3.3B of 30.5B parameters active)
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 per token (12.9B of 46.7B parameters active)
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     },
     # HuggingFaceTB/SmolLM2-135M-Instruct
     "smollm2-135m": {
@@ -124,6 +173,9 @@ def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     tied = bool(getattr(model, "tie_word_embeddings", False))
     for module_name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            shapes.update(module.checkpoint_shapes(module_name))
+            continue
         for leaf, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{leaf}"
             if isinstance(module, _ColumnShardedLinear):

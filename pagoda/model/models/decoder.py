@@ -14,7 +14,7 @@ returns `IntermediateTensors` for the next instead of hidden states.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -146,12 +146,14 @@ class DecoderLayer(nn.Module):
         attn_backend: type[AttentionBackend],
         layer_idx: int,
         prefix: str,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """`mlp` replaces the dense SwiGLU MLP (a mixture of experts); None keeps it."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, options, attn_backend, layer_idx, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config, options)
+        self.mlp = mlp if mlp is not None else DecoderMLP(config, options)
 
     def forward(
         self,
@@ -173,8 +175,14 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, options: DecoderOptions, attn_backend: type[AttentionBackend], prefix: str
+        self,
+        config: PretrainedConfig,
+        options: DecoderOptions,
+        attn_backend: type[AttentionBackend],
+        prefix: str,
+        build_mlp: Callable[[int], nn.Module | None] | None = None,
     ) -> None:
+        """`build_mlp(layer_idx)` gives a layer's MLP in place of the dense one (None: dense)."""
         super().__init__()
         state = get_parallel_state()
         self.is_first_stage, self.is_last_stage = state.is_first_pp_rank, state.is_last_pp_rank
@@ -185,7 +193,9 @@ class DecoderModel(nn.Module):
         theta, scaling = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(head_size_of(config), config.max_position_embeddings, theta, scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, options, attn_backend, i, f"{prefix}.layers.{i}")
+            DecoderLayer(
+                config, options, attn_backend, i, f"{prefix}.layers.{i}", mlp=build_mlp(i) if build_mlp else None
+            )
             if self.start_layer <= i < self.end_layer
             else PPMissingLayer()
             for i in range(config.num_hidden_layers)
