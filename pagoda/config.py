@@ -136,6 +136,9 @@ class SchedulerConfig:
     max_model_len: int = 0
     # Requests (each of n samples counts) a server lets wait for a place in the batch; more are refused.
     max_num_queued_requests: int = 4096
+    # Cascade attention (pagoda/attention/cascade.py): requests sharing leading KV blocks read them
+    # once per step together, where that pays; True always runs plain attention.
+    disable_cascade_attn: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -23,6 +23,7 @@ no token; tokens outside every group have group -1).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,15 @@ from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
 CASCADE_MIN_SHARED_TOKENS = 16384
 # Prefix groups one step cascades at most (a launch constant of the prefix pass's grid).
 MAX_CASCADE_GROUPS = 16
+
+
+class CascadeMode(enum.Enum):
+    """What a step's attention metadata may do: OFF plain attention; AUTO cascade the groups that
+    pay; ALWAYS cascade metadata even without a group (the dummy batch of a cascade graph)."""
+
+    OFF = 0
+    AUTO = 1
+    ALWAYS = 2
 
 
 @dataclass(frozen=True)

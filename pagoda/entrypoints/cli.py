@@ -55,6 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step (default: 8192)")
     engine.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: 16)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    engine.add_argument(
+        "--disable-cascade-attn", action="store_true", help="never split attention over shared prefixes (cascade)"
+    )
     engine.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests draw from it)")
     engine.add_argument(
         "--speculative-config",
@@ -84,6 +87,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "seed": args.seed,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "disable_cascade_attn": args.disable_cascade_attn,
         "generation_config": args.generation_config,
     }
     for name in (

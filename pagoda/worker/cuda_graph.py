@@ -10,6 +10,10 @@ mix of query lengths. The LM head and the sampler stay outside: which rows produ
 and which sampling passes run, change from step to step, and their cost is one matmul plus a
 few kernels.
 
+With cascade attention on, every decode size is captured twice: plain, and with the cascade's
+launches (prefix pass, suffix pass, merge), whose groups live in device buffers, so one graph
+serves any grouping; a decode step replays the one its metadata asks for.
+
 All graphs share one memory pool, captured largest first, so the smaller ones reuse the
 larger ones' activation memory.
 """
@@ -33,11 +37,12 @@ class CUDAGraphMode(enum.Enum):
 
 @dataclass(frozen=True)
 class BatchDescriptor:
-    """What a captured graph is keyed by: its padded token count and whether every request
-    brings exactly one token."""
+    """What a captured graph is keyed by: its padded token count, whether every request
+    brings exactly one token, and whether its attention cascades (shared prefixes)."""
 
     num_tokens: int
     uniform_decode: bool
+    cascade: bool = False
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
@@ -48,15 +53,18 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 
 class CudaGraphManager:
-    """Decode graphs for every size up to `max_decode_size`, mixed graphs for every size from 2
-    up to `max_mixed_size` (a mixed batch has more tokens than requests)."""
+    """Decode graphs for every size up to `max_decode_size` (twice with `cascade`), mixed graphs
+    for every size from 2 up to `max_mixed_size` (a mixed batch has more tokens than requests)."""
 
-    def __init__(self, capture_sizes: list[int], max_decode_size: int, max_mixed_size: int) -> None:
+    def __init__(
+        self, capture_sizes: list[int], max_decode_size: int, max_mixed_size: int, cascade: bool = False
+    ) -> None:
         if not capture_sizes or min(capture_sizes) < 1:
             raise ValueError(f"cudagraph capture sizes must be positive, got {capture_sizes}")
         sizes = sorted(set(capture_sizes))
         self.max_decode_size = max_decode_size
         self.max_mixed_size = max_mixed_size
+        self.cascade = cascade
         self.decode_sizes = [size for size in sizes if size <= max_decode_size]
         self.mixed_sizes = [size for size in sizes if 2 <= size <= max_mixed_size]
         self.graphs: dict[BatchDescriptor, torch.cuda.CUDAGraph] = {}
@@ -68,7 +76,9 @@ class CudaGraphManager:
         """Every graph to capture, largest first (mixed before decode at equal size)."""
         keys = [BatchDescriptor(size, False) for size in self.mixed_sizes]
         keys += [BatchDescriptor(size, True) for size in self.decode_sizes]
-        return sorted(keys, key=lambda key: (key.num_tokens, key.uniform_decode), reverse=True)
+        if self.cascade:
+            keys += [BatchDescriptor(size, True, cascade=True) for size in self.decode_sizes]
+        return sorted(keys, key=lambda key: (key.num_tokens, key.uniform_decode, key.cascade), reverse=True)
 
     def descriptor_for(self, num_tokens: int, uniform_decode: bool) -> BatchDescriptor | None:
         """The graph of the smallest captured size that holds the batch, or None (run eagerly)."""

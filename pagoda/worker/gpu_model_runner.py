@@ -11,19 +11,26 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagoda.attention.backends import AttentionLimits, AttentionMetadataBuilder, CUDAGraphSupport, get_attention_backend
+from pagoda.attention.cascade import CascadeBuffers, CascadeMode, plan_cascade
 from pagoda.attention.layer import Attention
-from pagoda.attention.metadata import AttentionMetadata
+from pagoda.attention.metadata import AttentionMetadata, CascadeMetadata
 from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import get_parallel_state
 from pagoda.forward_context import ForwardContext
-from pagoda.kv_cache_interface import KVCacheConfig, KVCacheSpec, get_kv_cache_config
+from pagoda.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    get_kv_cache_config,
+)
 from pagoda.outputs import IntermediateTensors, LogprobsArrays, ModelRunnerOutput
 from pagoda.sample.logprobs import LogprobsTensors
 from pagoda.sample.metadata import SamplingMetadata, TokenBitmask
@@ -99,6 +106,8 @@ class PreparedInputs:
     # row among the logits, on the device, sent with the step's other inputs; None otherwise.
     draft_token_ids: torch.Tensor | None = None
     logits_start_device: torch.Tensor | None = None
+    # The attention cascades over shared prefixes (a decode graph replays its cascade variant).
+    cascade: bool = False
 
 
 @dataclass(frozen=True)
@@ -220,7 +229,9 @@ class GPUModelRunner:
             return None
         limit = min(compilation.max_cudagraph_capture_size, self.max_num_tokens)
         sizes = [size for size in compilation.cudagraph_capture_sizes or default_capture_sizes(limit) if size <= limit]
-        return CudaGraphManager(sizes, max_decode_size=self.max_num_reqs, max_mixed_size=limit) if sizes else None
+        if not sizes:
+            return None
+        return CudaGraphManager(sizes, self.max_num_reqs, limit, cascade=not self.scheduler_config.disable_cascade_attn)
 
     def load_model(self) -> None:
         from pagoda.model.loader import get_model
@@ -251,7 +262,8 @@ class GPUModelRunner:
         self.kv_cache_config = kv_cache_config
         groups = kv_cache_config.kv_cache_groups
         self.layer_groups = {name: gid for gid, group in enumerate(groups) for name in group.layer_names}
-        limits = AttentionLimits(self.num_heads, self.max_num_reqs, self.max_model_len)
+        cascade = not self.scheduler_config.disable_cascade_attn
+        limits = AttentionLimits(self.num_heads, self.max_num_reqs, self.max_model_len, cascade=cascade)
         builders: dict[KVCacheSpec, AttentionMetadataBuilder] = {}  # groups of one spec share theirs
         for group in groups:
             spec = group.kv_cache_spec
@@ -259,6 +271,13 @@ class GPUModelRunner:
                 builders[spec] = self.attn_backend.get_builder_cls()(spec, limits, self.device)
         self.attn_metadata_builders = [builders[group.kv_cache_spec] for group in groups]
         self.slot_mappings = [self.buffer(self.max_num_tokens, torch.int64) for _ in groups]
+        # Cascade steps take at most max_num_reqs tokens (the workspaces' size); paged groups only.
+        self.cascade_buffers = [
+            CascadeBuffers(self.max_num_reqs, self.device, self.pin_memory)
+            if cascade and isinstance(group.kv_cache_spec, (FullAttentionSpec, SlidingWindowSpec))
+            else None
+            for group in groups
+        ]
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
@@ -411,7 +430,9 @@ class GPUModelRunner:
         scheduler_output = SchedulerOutput(new_reqs, CachedRequestData(), num_tokens, int(num_scheduled.sum()))
         self._update_states(scheduler_output)
         try:
-            yield self._prepare_inputs(scheduler_output, execution.num_input_tokens, execution.num_rows)
+            key = execution.batch_descriptor
+            cascade = CascadeMode.ALWAYS if key is not None and key.cascade else CascadeMode.OFF
+            yield self._prepare_inputs(scheduler_output, execution.num_input_tokens, execution.num_rows, cascade)
         finally:
             self._update_states(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(num_tokens)))
 
@@ -558,7 +579,11 @@ class GPUModelRunner:
             self.kv_caches[tensor.shared_by[0]].index_fill_(1, index, 0)
 
     def _prepare_inputs(
-        self, scheduler_output: SchedulerOutput, num_input_tokens: int, num_rows: int
+        self,
+        scheduler_output: SchedulerOutput,
+        num_input_tokens: int,
+        num_rows: int,
+        cascade: CascadeMode = CascadeMode.OFF,
     ) -> PreparedInputs:
         """Input ids, positions and attention metadata for this step, vectorized in NumPy.
 
@@ -600,7 +625,7 @@ class GPUModelRunner:
         self.logits_indices.np[:num_sampled] = first_index + self._arange[:num_sampled]
 
         forward_context = self._build_attention_metadata(
-            num_input_tokens, num_rows, num_scheduled, cu_num_tokens, seq_lens
+            num_input_tokens, num_rows, num_scheduled, cu_num_tokens, seq_lens, cascade
         )
         input_ids = self.input_ids.copy_to_gpu(num_input_tokens)
         self._scatter_prev_sampled(input_ids, num_computed, num_scheduled, cu_num_tokens - num_scheduled)
@@ -623,6 +648,7 @@ class GPUModelRunner:
             ),
             draft_token_ids=draft_token_ids,
             logits_start_device=logits_start_device,
+            cascade=any(m.cascade is not None for m in forward_context.attn_metadata.values()),
         )
 
     def _scatter_prev_sampled(
@@ -677,10 +703,14 @@ class GPUModelRunner:
         num_scheduled: np.ndarray,
         cu_num_tokens: np.ndarray,
         seq_lens: np.ndarray,
+        cascade: CascadeMode = CascadeMode.OFF,
     ) -> ForwardContext:
         """The step's `ForwardContext`: per KV-cache group, its block table and slot mapping with
         the common query offsets and lengths, made into its layers' metadata by the group's
-        builder, for `num_rows` request rows (at least the real ones; the rest have length 0)."""
+        builder, for `num_rows` request rows (at least the real ones; the rest have length 0).
+        The seed's cascade-attention prefix lengths: with `cascade` AUTO, each group whose
+        requests share leading blocks where that pays (`plan_cascade`) gets its cascade metadata;
+        ALWAYS gives it even without a shared prefix (capturing a cascade graph)."""
         num_reqs = len(num_scheduled)
         num_total = int(cu_num_tokens[-1])
         self.query_start_loc.np[0] = 0
@@ -705,20 +735,52 @@ class GPUModelRunner:
                     slot_mapping=slot_mapping.copy_to_gpu(num_input_tokens),
                     query_start_loc_cpu=self.query_start_loc.cpu[: num_rows + 1],
                     seq_lens_cpu=self.seq_lens.cpu[:num_rows],
+                    cascade=self._cascade_metadata(gid, cascade, num_scheduled, seq_lens, num_input_tokens, num_rows),
                 )
             )
-            for table, block_size, slot_mapping, builder in zip(
-                block_table.tables,
-                block_table.block_sizes,
-                self.slot_mappings,
-                self.attn_metadata_builders,
-                strict=True,
+            for gid, (table, block_size, slot_mapping, builder) in enumerate(
+                zip(
+                    block_table.tables,
+                    block_table.block_sizes,
+                    self.slot_mappings,
+                    self.attn_metadata_builders,
+                    strict=True,
+                )
             )
         ]
         return ForwardContext(
             attn_metadata={name: group_metadata[gid] for name, gid in self.layer_groups.items()},
             kv_caches=self.kv_caches,
         )
+
+    def _cascade_metadata(
+        self,
+        gid: int,
+        cascade: CascadeMode,
+        num_scheduled: np.ndarray,
+        seq_lens: np.ndarray,
+        num_input_tokens: int,
+        num_rows: int,
+    ) -> CascadeMetadata | None:
+        """KV-cache group `gid`'s shared-prefix split of this step, or None (plain attention)."""
+        buffers = self.cascade_buffers[gid]
+        if cascade == CascadeMode.OFF or buffers is None or max(num_input_tokens, num_rows) > buffers.max_tokens:
+            return None
+        plan = None
+        if cascade == CascadeMode.AUTO:
+            assert self.kv_cache_config is not None
+            spec = self.kv_cache_config.kv_cache_groups[gid].kv_cache_spec
+            block_table = self.input_batch.block_table
+            plan = plan_cascade(
+                block_table[gid].block_table_np[: len(num_scheduled)],
+                seq_lens - num_scheduled,
+                seq_lens,
+                block_table.block_sizes[gid],
+                spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
+            )
+            if plan is None:
+                return None
+        return buffers.build(plan, num_scheduled, num_input_tokens, num_rows)
 
     def _determine_batch_execution_and_padding(self, scheduler_output: SchedulerOutput) -> BatchExecution:
         """A batch replays the graph of its kind (uniform decode or mixed) of the nearest captured
@@ -730,6 +792,16 @@ class GPUModelRunner:
             if key is not None:
                 return BatchExecution(CUDAGraphMode.FULL, key, key.num_tokens, self._graph_rows(key.num_tokens))
         return BatchExecution(CUDAGraphMode.NONE, None, num_tokens, num_reqs)
+
+    def _cascade_mode(self, execution: BatchExecution) -> CascadeMode:
+        """AUTO where a cascade can run: eagerly, or in a decode graph (captured in both variants);
+        a mixed graph replays plain attention."""
+        if self.scheduler_config.disable_cascade_attn:
+            return CascadeMode.OFF
+        key = execution.batch_descriptor
+        if execution.cudagraph_mode == CUDAGraphMode.FULL and not (key is not None and key.uniform_decode):
+            return CascadeMode.OFF
+        return CascadeMode.AUTO
 
     def _model_forward(
         self, inputs: PreparedInputs, intermediate_tensors: IntermediateTensors | None
@@ -978,13 +1050,15 @@ class GPUModelRunner:
             self._resolve_pending_output()
         # Padding is decided first, so the inputs are written straight at the graph's size.
         execution = self._determine_batch_execution_and_padding(scheduler_output)
-        inputs = self._prepare_inputs(scheduler_output, execution.num_input_tokens, execution.num_rows)
+        inputs = self._prepare_inputs(
+            scheduler_output, execution.num_input_tokens, execution.num_rows, self._cascade_mode(execution)
+        )
         if self._inputs_sent is not None:
             self._inputs_sent.record()
         self.kv_connector.pre_forward(scheduler_output)
         if execution.cudagraph_mode == CUDAGraphMode.FULL:
             assert self.cudagraph_manager is not None and execution.batch_descriptor is not None
-            hidden_states = self.cudagraph_manager.replay(execution.batch_descriptor)
+            hidden_states = self.cudagraph_manager.replay(replace(execution.batch_descriptor, cascade=inputs.cascade))
         else:
             hidden_states = self._model_forward(inputs, intermediate_tensors)
         if isinstance(hidden_states, IntermediateTensors):
