@@ -1,7 +1,12 @@
 """The physical floor of a benchmark figure: bytes the GPU must read over the copy bandwidth,
 and FLOPs it must compute over the matmul rate, both measured on the same device in the same
 run. The byte and FLOP counts are pure functions of the model's shape, so they can be checked
-by hand (Llama-3.1-8B in bf16 reads 15.0 GB of weights per decode step)."""
+by hand (Llama-3.1-8B in bf16 reads 15.0 GB of weights per decode step).
+
+A mixture of experts reads, of its routed experts, only those some token of the step picks:
+at one token its k of E per layer (Qwen3-30B-A3B: 3.3B of 30.5B parameters), and, under the
+uniform routing load-balanced training aims at, a share 1 - (1 - k/E)^T of them for T tokens;
+it computes with k of E experts per token."""
 
 from __future__ import annotations
 
@@ -26,6 +31,25 @@ class ModelShape:
     # Everything but the input embedding and the LM head: decoder layers and the final norm.
     body_params: int
     lm_head_params: int
+    # Of body_params, the routed experts' (0 for a dense model), and how many a token takes.
+    expert_params: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    @property
+    def active_body_params(self) -> int:
+        """Body parameters one token computes with: the dense ones and k of E experts."""
+        if not self.expert_params:
+            return self.body_params
+        return self.body_params - self.expert_params + self.expert_params * self.experts_per_token // self.num_experts
+
+    def body_params_read(self, num_tokens: int) -> int:
+        """Body parameters a forward over `num_tokens` tokens reads: the dense ones, and the
+        expected share of the routed experts that uniform routing of those tokens picks."""
+        if not self.expert_params:
+            return self.body_params
+        share = 1 - (1 - self.experts_per_token / self.num_experts) ** num_tokens
+        return self.body_params - self.expert_params + round(self.expert_params * share)
 
     @property
     def kv_values_per_token(self) -> int:
@@ -43,6 +67,7 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
     tied = lm_head is embedding
     body = sum(unique.values()) - embedding.numel() - (0 if tied else lm_head.numel())
     num_heads = hf_config.num_attention_heads
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     return ModelShape(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -51,12 +76,21 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
         body_params=body,
         lm_head_params=lm_head.numel(),
+        expert_params=experts,
+        num_experts=(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0))
+        if experts
+        else 0,
+        experts_per_token=getattr(hf_config, "num_experts_per_tok", 0) if experts else 0,
     )
 
 
-def weight_bytes_per_step(shape: ModelShape, num_tokens: int, dtype_bytes: int) -> int:
-    """Weights one forward pass reads: the body and LM head once, one embedding row per token."""
-    return (shape.body_params + shape.lm_head_params + num_tokens * shape.hidden_size) * dtype_bytes
+def weight_bytes_per_step(
+    shape: ModelShape, num_tokens: int, dtype_bytes: int, routed_tokens: int | None = None
+) -> int:
+    """Weights one forward pass reads: the body (of its experts, those `routed_tokens` tokens
+    pick, by default the `num_tokens` embedded) and the LM head once, one embedding row per token."""
+    body = shape.body_params_read(num_tokens if routed_tokens is None else routed_tokens)
+    return (body + shape.lm_head_params + num_tokens * shape.hidden_size) * dtype_bytes
 
 
 def kv_bytes(shape: ModelShape, num_tokens: int, dtype_bytes: int) -> int:
@@ -81,7 +115,7 @@ def decode_step_work(shape: ModelShape, context_lens: list[int], dtype_bytes: in
     total_context = sum(context_lens)
     return Work(
         bytes_read=weight_bytes_per_step(shape, batch, dtype_bytes) + kv_bytes(shape, total_context, dtype_bytes),
-        flops=2 * (shape.body_params + shape.lm_head_params) * batch + attention_flops(shape, total_context),
+        flops=2 * (shape.active_body_params + shape.lm_head_params) * batch + attention_flops(shape, total_context),
     )
 
 
@@ -91,11 +125,14 @@ def prefill_work(shape: ModelShape, prompt_len: int, chunk_size: int, dtype_byte
     Each chunk reads the weights once and the cached K/V of the chunks before it (a single
     chunk reads none); attention is causal, so token i attends over i + 1 keys."""
     chunk_starts = range(0, prompt_len, chunk_size)
-    weight_reads = len(chunk_starts) * weight_bytes_per_step(shape, 0, dtype_bytes)
+    weight_reads = sum(
+        weight_bytes_per_step(shape, 0, dtype_bytes, routed_tokens=min(chunk_size, prompt_len - start))
+        for start in chunk_starts
+    )
     embedding_rows = prompt_len * shape.hidden_size * dtype_bytes
     return Work(
         bytes_read=weight_reads + embedding_rows + sum(kv_bytes(shape, start, dtype_bytes) for start in chunk_starts),
-        flops=2 * shape.body_params * prompt_len
+        flops=2 * shape.active_body_params * prompt_len
         + 2 * shape.lm_head_params
         + attention_flops(shape, prompt_len * (prompt_len + 1) // 2),
     )
@@ -125,9 +162,10 @@ def workload_floor_seconds(
     reading the weights once and the K/V of every request still running."""
     total_prompt = sum(prompt_lens)
     prefill = Work(
-        bytes_read=math.ceil(total_prompt / chunk_size) * weight_bytes_per_step(shape, 0, dtype_bytes)
+        bytes_read=math.ceil(total_prompt / chunk_size)
+        * weight_bytes_per_step(shape, 0, dtype_bytes, routed_tokens=min(chunk_size, total_prompt))
         + total_prompt * shape.hidden_size * dtype_bytes,
-        flops=2 * shape.body_params * total_prompt
+        flops=2 * shape.active_body_params * total_prompt
         + 2 * shape.lm_head_params * len(prompt_lens)
         + attention_flops(shape, sum(n * (n + 1) // 2 for n in prompt_lens)),
     )
@@ -135,6 +173,32 @@ def workload_floor_seconds(
     for step in range(1, max(output_lens)):
         contexts = [p + step for p, n in zip(prompt_lens, output_lens, strict=True) if n > step]
         seconds += rates.floor_seconds(decode_step_work(shape, contexts, dtype_bytes))
+    return seconds
+
+
+def shared_prefix_floor_seconds(
+    shape: ModelShape,
+    prefix_len: int,
+    num_prefixes: int,
+    suffix_lens: list[int],
+    output_lens: list[int],
+    chunk_size: int,
+    dtype_bytes: int,
+    rates: DeviceRates,
+) -> float:
+    """`workload_floor_seconds` for requests that each start with one of `num_prefixes` shared
+    prefixes of `prefix_len` tokens, then `suffix_lens[i]` tokens of their own: each prefix is
+    prefilled once (the prefix cache) and every decode step reads each prefix's K/V once (the
+    cascade), beside each request's own K/V; every request's queries still attend over its prefix."""
+    prefill_lens = [prefix_len] * num_prefixes + list(suffix_lens)
+    seconds = workload_floor_seconds(shape, prefill_lens, [1] * len(prefill_lens), chunk_size, dtype_bytes, rates)
+    shared_kv = kv_bytes(shape, num_prefixes * prefix_len, dtype_bytes)
+    for step in range(1, max(output_lens)):
+        own = [s + step for s, n in zip(suffix_lens, output_lens, strict=True) if n > step]
+        work = decode_step_work(shape, own, dtype_bytes)
+        seconds += rates.floor_seconds(
+            Work(work.bytes_read + shared_kv, work.flops + attention_flops(shape, len(own) * prefix_len))
+        )
     return seconds
 
 
