@@ -62,13 +62,25 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--workload", choices=["random", "nanobench"], default="random")
-    parser.add_argument("--num-prompts", type=int, default=None, help="default: 32 (random), 256 (nanobench)")
+    parser.add_argument("--workload", choices=["random", "nanobench", "shared-prefix"], default="random")
+    parser.add_argument(
+        "--num-prompts", type=int, default=None, help="default: 32 (random), 256 (nanobench, shared-prefix)"
+    )
     parser.add_argument("--min-prompt-len", type=int, default=32)
     parser.add_argument("--max-prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--shared-prefix-len", type=int, default=2048, help="shared-prefix: tokens of each shared prefix"
+    )
+    parser.add_argument(
+        "--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes, shared round-robin"
+    )
+    parser.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: each request's own prompt tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--disable-cascade-attn", action="store_true", help="never split attention over shared prefixes"
+    )
     add_parallel_args(parser)
     add_speculative_args(parser)
     parser.add_argument(

@@ -3,7 +3,10 @@
 Workloads: `random` (N prompts of random lengths, one output length, greedy) and
 `nanobench` (256 requests, prompt lengths uniform in [100, 1024] of ids below 10000,
 output lengths uniform in [100, 1024], temperature 0.6, Python `random.seed(0)` drawing
-the prompts first, then the output lengths: 133,966 output tokens).
+the prompts first, then the output lengths: 133,966 output tokens) and `shared-prefix` (N
+requests, each one of `--num-prefixes` random prefixes of `--shared-prefix-len` tokens, taken
+round-robin, then `--suffix-len` random tokens of its own; one output length, greedy: the
+system-prompt case cascade attention serves, its floor reading each prefix once per step).
 
 With `--peer hf` the same prompts run through Hugging Face transformers in the same process,
 so the figures come from the same machine and moment: `generate` on one padded batch for
@@ -38,6 +41,7 @@ from pagoda.benchmarks.roofline import (
     ModelShape,
     measure_device_rates,
     model_shape,
+    shared_prefix_floor_seconds,
     workload_floor_seconds,
 )
 from pagoda.benchmarks.speculative import (
@@ -57,6 +61,9 @@ class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
     temperature: float
+    # Shared-prefix workloads: the prefix length and which prefix each request starts with.
+    shared_prefix_len: int = 0
+    prefix_ids: list[int] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -68,7 +75,13 @@ class Workload:
 
     def head(self, num_requests: int) -> Workload:
         """The first `num_requests` requests."""
-        return Workload(self.prompts[:num_requests], self.output_lens[:num_requests], self.temperature)
+        return Workload(
+            self.prompts[:num_requests],
+            self.output_lens[:num_requests],
+            self.temperature,
+            self.shared_prefix_len,
+            self.prefix_ids[:num_requests] if self.prefix_ids is not None else None,
+        )
 
     def sampling_params(self) -> list[SamplingParams]:
         return [SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in self.output_lens]
@@ -81,6 +94,23 @@ def random_workload(num_prompts: int, min_prompt_len: int, max_prompt_len: int, 
         for _ in range(num_prompts)
     ]
     return Workload(prompts, [output_len] * num_prompts, temperature=0.0)
+
+
+def shared_prefix_workload(
+    num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, seed: int
+) -> Workload:
+    """Request i starts with prefix i % num_prefixes, then suffix_len ids of its own (ids in
+    [100, 10000), as the random workload's)."""
+    for name, value, least in (("num_prefixes", num_prefixes, 1), ("shared_prefix_len", prefix_len, 1)):
+        if value < least:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    if suffix_len < 1:
+        raise ConfigError(f"--suffix-len must be >= 1, got {suffix_len}")
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(100, 10000) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    prefix_ids = [i % num_prefixes for i in range(num_prompts)]
+    prompts = [prefixes[p] + [rng.randrange(100, 10000) for _ in range(suffix_len)] for p in prefix_ids]
+    return Workload(prompts, [output_len] * num_prompts, 0.0, prefix_len, prefix_ids)
 
 
 def nanobench_workload(num_prompts: int = 256) -> Workload:
@@ -228,12 +258,22 @@ class Floor:
 
     def seconds(self, part: Workload) -> float:
         lens = [len(p) for p in part.prompts]
-        return (
-            workload_floor_seconds(
+        if part.prefix_ids is not None:
+            seconds = shared_prefix_floor_seconds(
+                self.shape,
+                part.shared_prefix_len,
+                len(set(part.prefix_ids)),
+                [n - part.shared_prefix_len for n in lens],
+                part.output_lens,
+                self.max_num_batched_tokens,
+                self.dtype_bytes,
+                self.rates,
+            )
+        else:
+            seconds = workload_floor_seconds(
                 self.shape, lens, part.output_lens, self.max_num_batched_tokens, self.dtype_bytes, self.rates
             )
-            / self.num_gpus
-        )
+        return seconds / self.num_gpus
 
 
 @dataclass
@@ -295,6 +335,15 @@ def format_table(measurements: list[Measurement], num_requests: int) -> str:
 def run(args: argparse.Namespace) -> list[Measurement]:
     if args.workload == "nanobench":
         workload = nanobench_workload(args.num_prompts or 256)
+    elif args.workload == "shared-prefix":
+        workload = shared_prefix_workload(
+            args.num_prompts or 256,
+            args.num_prefixes,
+            args.shared_prefix_len,
+            args.suffix_len,
+            args.output_len,
+            args.seed,
+        )
     else:
         workload = random_workload(
             args.num_prompts or 32, args.min_prompt_len, args.max_prompt_len, args.output_len, args.seed
@@ -314,6 +363,7 @@ def run(args: argparse.Namespace) -> list[Measurement]:
             dtype=args.dtype,
             device=args.device,
             enforce_eager=args.enforce_eager,
+            disable_cascade_attn=args.disable_cascade_attn,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             speculative_config=spec,
@@ -339,14 +389,19 @@ def run(args: argparse.Namespace) -> list[Measurement]:
         measurements.append(Measurement(engine, peer_workload, seconds, floor.seconds(peer_workload)))
         del hf_model
         free_device_memory()
+    shared = ""
+    if workload.prefix_ids is not None:
+        shared = f" ({len(set(workload.prefix_ids))} shared prefixes of {workload.shared_prefix_len} tokens)"
     print(
-        f"workload {args.workload}: {num_requests} prompts, {workload.num_prompt_tokens} prompt tokens, "
-        f"{workload.num_output_tokens} output tokens; torch threads {torch.get_num_threads()}"
+        f"workload {args.workload}: {num_requests} prompts{shared}, {workload.num_prompt_tokens} prompt tokens, "
+        f"{workload.num_output_tokens} output tokens; torch threads {torch.get_num_threads()}; "
+        f"cascade attention {'off' if args.disable_cascade_attn else 'on'}"
     )
     print(
         f"floor: bytes over the copy bandwidth ({rates.copy_bytes_per_s / 1e9:.1f} GB/s) or FLOPs over the "
         f"{model_config.dtype} matmul rate ({rates.matmul_flops_per_s / 1e12:.2f} TFLOP/s) per step, all requests "
-        f"at once, shared by {floor.num_gpus} GPU(s): {measurements[0].floor_seconds:.3f} s = "
+        f"at once{', each shared prefix prefilled once and its K/V read once per step' if shared else ''}, "
+        f"shared by {floor.num_gpus} GPU(s): {measurements[0].floor_seconds:.3f} s = "
         f"{workload.num_output_tokens / measurements[0].floor_seconds:.0f} output tok/s"
     )
     print(format_table(measurements, num_requests))

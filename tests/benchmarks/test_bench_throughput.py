@@ -13,10 +13,12 @@ from transformers import AutoModelForCausalLM
 from pagoda.benchmarks.roofline import (
     decode_step_work,
     model_shape,
+    shared_prefix_floor_seconds,
     weight_bytes_per_step,
     workload_floor_seconds,
 )
-from pagoda.benchmarks.throughput import Workload, nanobench_workload, run_hf
+from pagoda.benchmarks.throughput import Workload, nanobench_workload, run_hf, shared_prefix_workload
+from pagoda.config import ConfigError
 from pagoda.entrypoints.cli import main
 from pagoda.model.loader.dummy import dummy_shape_config
 
@@ -94,3 +96,31 @@ def test_nanobench_floor_of_the_qwen3_shape_is_about_3_5_s_on_an_h200(h200) -> N
     floor = workload_floor_seconds(shape, [len(p) for p in workload.prompts], workload.output_lens, 8192, 2, h200)
     # The issue's estimate is about 3.5 s; the KV cache read by 133k decode tokens is most of it.
     assert 3.4 < floor < 3.9
+
+
+def test_shared_prefix_workload_takes_its_prefixes_round_robin() -> None:
+    workload = shared_prefix_workload(7, num_prefixes=3, prefix_len=16, suffix_len=5, output_len=4, seed=0)
+    assert workload.prefix_ids == [0, 1, 2, 0, 1, 2, 0]
+    assert all(len(p) == 21 for p in workload.prompts)
+    assert workload.prompts[0][:16] == workload.prompts[3][:16] == workload.prompts[6][:16]
+    assert len({tuple(p[:16]) for p in workload.prompts}) == 3
+    assert len({tuple(p[16:]) for p in workload.prompts}) == 7
+    assert workload.head(2).prefix_ids == [0, 1] and workload.head(2).shared_prefix_len == 16
+    with pytest.raises(ConfigError, match="--num-prefixes must be >= 1"):
+        shared_prefix_workload(4, num_prefixes=0, prefix_len=16, suffix_len=5, output_len=4, seed=0)
+
+
+def test_shared_prefix_floor_reads_each_prefix_once_per_step(h200) -> None:
+    shape = model_shape(dummy_shape_config("qwen3-0.6b"))
+    # The issue's workload: 256 requests = one 2,048-token prefix + 64 own tokens, 128 tokens each.
+    floor = shared_prefix_floor_seconds(shape, 2048, 1, [64] * 256, [128] * 256, 8192, 2, h200)
+    plain = workload_floor_seconds(shape, [2112] * 256, [128] * 256, 8192, 2, h200)
+    assert 0.15 < floor < 0.25 < 2.5 < plain  # the issue: about 0.19 s with the prefix read once
+    # A step of one prefix over two requests reads what one request of prefix + own tokens and
+    # the other's own tokens read.
+    step = shared_prefix_floor_seconds(shape, 100, 1, [5, 7], [2, 2], 8192, 2, h200) - shared_prefix_floor_seconds(
+        shape, 100, 1, [5, 7], [1, 1], 8192, 2, h200
+    )
+    own = decode_step_work(shape, [6, 8], 2)
+    expected = own.bytes_read + 100 * shape.kv_values_per_token * 2
+    assert step == pytest.approx(expected / 4.27e12, rel=1e-12)
