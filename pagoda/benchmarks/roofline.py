@@ -202,32 +202,6 @@ def shared_prefix_floor_seconds(
     return seconds
 
 
-def shared_prefix_floor_seconds(
-    shape: ModelShape,
-    prefix_len: int,
-    num_prefixes: int,
-    suffix_lens: list[int],
-    output_lens: list[int],
-    chunk_size: int,
-    dtype_bytes: int,
-    rates: DeviceRates,
-) -> float:
-    """`workload_floor_seconds` for requests that each start with one of `num_prefixes` shared
-    prefixes of `prefix_len` tokens, then `suffix_lens[i]` tokens of their own: each prefix is
-    prefilled once (the prefix cache) and every decode step reads each prefix's K/V once (the
-    cascade), beside each request's own K/V; every request's queries still attend over its prefix."""
-    prefill_lens = [prefix_len] * num_prefixes + list(suffix_lens)
-    seconds = workload_floor_seconds(shape, prefill_lens, [1] * len(prefill_lens), chunk_size, dtype_bytes, rates)
-    shared_kv = kv_bytes(shape, num_prefixes * prefix_len, dtype_bytes)
-    for step in range(1, max(output_lens)):
-        own = [s + step for s, n in zip(suffix_lens, output_lens, strict=True) if n > step]
-        work = decode_step_work(shape, own, dtype_bytes)
-        seconds += rates.floor_seconds(
-            Work(work.bytes_read + shared_kv, work.flops + attention_flops(shape, len(own) * prefix_len))
-        )
-    return seconds
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
