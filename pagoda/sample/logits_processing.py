@@ -12,12 +12,16 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from pagoda.sample import triton_bitmask
 from pagoda.sample.metadata import PenaltyMetadata, SamplingMetadata, TokenBitmask, TokenEntries
 
 
 class LogitsProcessor(ABC):
     """One pass of the chain: `applies` says (from the step's metadata alone, no device work)
-    whether any row of the step uses it; `apply` changes those rows' logits in place."""
+    whether any row of the step uses it; `apply` changes those rows' logits in place.
+    `only_masks`: the pass only sets logits to -inf, which is exact in any float dtype."""
+
+    only_masks = False
 
     @abstractmethod
     def applies(self, metadata: SamplingMetadata) -> bool: ...
@@ -48,6 +52,8 @@ class Penalties(LogitsProcessor):
 class TokenBans(LogitsProcessor):
     """min_tokens' hidden stop tokens and matched bad words."""
 
+    only_masks = True
+
     def applies(self, metadata: SamplingMetadata) -> bool:
         return metadata.banned_token_ids is not None
 
@@ -59,6 +65,8 @@ class TokenBans(LogitsProcessor):
 
 
 class AllowedTokens(LogitsProcessor):
+    only_masks = True
+
     def applies(self, metadata: SamplingMetadata) -> bool:
         return metadata.allowed_token_ids is not None
 
@@ -70,12 +78,19 @@ class AllowedTokens(LogitsProcessor):
 class GrammarMask(LogitsProcessor):
     """Structured output: each constrained row keeps only the tokens its grammar allows next."""
 
+    only_masks = True
+
     def applies(self, metadata: SamplingMetadata) -> bool:
         return metadata.grammar_bitmask is not None
 
     def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
-        assert metadata.grammar_bitmask is not None
-        apply_token_bitmask(logits, metadata.grammar_bitmask)
+        bitmask = metadata.grammar_bitmask
+        assert bitmask is not None
+        if bitmask.ready is not None:
+            torch.cuda.current_stream(logits.device).wait_event(bitmask.ready)
+        apply_token_bitmask(logits, bitmask)
+        if bitmask.applied is not None:
+            bitmask.applied.record(torch.cuda.current_stream(logits.device))
 
 
 # The order matters: values change first (bias, penalties), then the masks, the allowed set and
@@ -87,7 +102,10 @@ def process_logits(
     logits: torch.Tensor, metadata: SamplingMetadata, chain: tuple[LogitsProcessor, ...] = LOGITS_PROCESSORS
 ) -> torch.Tensor:
     """A float32 copy of the logits with every pass of the chain the step uses applied, or the
-    logits themselves when none is (they are never modified: raw logprobs read them).
+    logits themselves when none is. Passes that only mask (bans, allowed tokens, the grammar)
+    run on the logits in place, in their dtype, when no logprobs are asked: nothing reads the
+    raw values then, and -inf is the same in any dtype (a grammar step at batch 256 and a
+    150k vocabulary saves a [B, V] float32 copy).
 
     The bans never cover a row's whole allowed set (the runner's SamplingBatch drops those that
     would), so every row keeps a token it may pick; a grammar's mask is the request's own
@@ -96,7 +114,8 @@ def process_logits(
     active = [processor for processor in chain if processor.applies(metadata)]
     if not active:
         return logits
-    processed = logits.to(torch.float32, copy=True)
+    in_place = metadata.max_num_logprobs is None and all(processor.only_masks for processor in active)
+    processed = logits if in_place else logits.to(torch.float32, copy=True)
     for processor in active:
         processor.apply(processed, metadata)
     return processed
@@ -104,10 +123,16 @@ def process_logits(
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask) -> None:
     """In place: row `bitmask.rows[i]` keeps token t only where bit t % 32 of word t // 32 of
-    `bitmask.words[i]` is set (xgrammar's layout); other rows are untouched."""
+    its words row is set (xgrammar's layout); other rows are untouched. On CUDA one Triton
+    kernel that writes only the refused logits; elsewhere torch ops."""
+    if logits.is_cuda and triton_bitmask.available():
+        triton_bitmask.apply_token_bitmask_triton(logits, bitmask.rows, bitmask.words, bitmask.word_rows)
+        return
     num_rows, vocab_size = len(bitmask.rows), logits.shape[-1]
+    words = bitmask.words if bitmask.word_rows is None else bitmask.words.index_select(0, bitmask.word_rows)
+    words = words[:num_rows]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = (bitmask.words[:, :, None] >> shifts).bitwise_and_(1).view(num_rows, -1)[:, :vocab_size]
+    bits = (words[:, :, None] >> shifts).bitwise_and_(1).view(num_rows, -1)[:, :vocab_size]
     rows = logits.index_select(0, bitmask.rows)
     rows.masked_fill_(bits == 0, float("-inf"))
     logits.index_copy_(0, bitmask.rows, rows)

@@ -18,10 +18,17 @@ class TokenEntries:
 
 @dataclass
 class TokenBitmask:
-    """Grammar masks of the step's constrained rows: bit t % 32 of word t // 32 set = token t allowed."""
+    """Grammar masks of the step's constrained rows: bit t % 32 of word t // 32 set = token t allowed.
+
+    The words may still be on their way to the device on a side stream when the sampler is
+    queued: the pass waits for `ready` on its own stream, and records `applied` once it has
+    read them (the next step's copy into the same buffer waits for that)."""
 
     rows: torch.Tensor  # [R] int64, index into the step's sampled rows
-    words: torch.Tensor  # [R, ceil(V / 32)] int32
+    words: torch.Tensor  # [M, ceil(V / 32)] int32
+    word_rows: torch.Tensor | None = None  # [R] int64: each entry's row of `words`; None: entry i's is i
+    ready: torch.cuda.Event | None = None
+    applied: torch.cuda.Event | None = None
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """`GrammarState`: where one sample stands in its grammar.
 
 The model runner keeps one per constrained request: it accepts each sampled token once its
-value reaches the host, fills the request's bitmask row before the next sampling, and can roll
-back (for speculative decoding's rejected drafts) or be rebuilt from a token history (after a
-preemption whose replayed history differs from what it accepted). A request whose model
+value reaches the host, fills the request's bitmask row before the next sampling, tries
+speculative drafts tentatively (a refused draft leaves the state as it was) and rolls them
+back, and can be rebuilt from a token history (after a preemption whose replayed history
+differs from what it accepted). A request whose model
 reasons first passes a `ReasoningGate` (reasoning.py): the state holds no mask and feeds its
 matcher nothing until the reasoning has ended, and rollback and sync cross that boundary.
 """
@@ -38,6 +39,8 @@ class GrammarState:
         # Set when a sampled token was outside the grammar (only possible when other settings,
         # e.g. allowed_token_ids, left the row no token the grammar allows): unconstrained since.
         self.failed = False
+        # Bumped by every change: a mask filled ahead of time is valid while the version holds.
+        self.version = 0
 
     @property
     def phase(self) -> Phase:
@@ -61,8 +64,9 @@ class GrammarState:
         """Whether the next token goes to the grammar's matcher alone."""
         return self.grammar_start is not None and self.active
 
-    def accept(self, token_ids: list[int]) -> bool:
-        """Advance over `token_ids`; False (and the state failed) at the first one refused."""
+    def accept(self, token_ids: list[int], tentative: bool = False) -> bool:
+        """Advance over `token_ids`; False at the first one refused, which fails the state, or
+        with `tentative` (a speculative draft) stops there and leaves the state as it was then."""
         for token_id in token_ids:
             if self.failed or self.is_terminated:
                 return False
@@ -80,6 +84,8 @@ class GrammarState:
                 accepted = token_id == self._forced(len(self.accepted))
             else:
                 accepted = True
+            if tentative and not accepted:
+                return False
             if not self._record(token_id, accepted):
                 return False
             if phase is not Phase.GRAMMAR and self.grammar_start is None:
@@ -93,6 +99,7 @@ class GrammarState:
         return self._gate.forced_token(num_tokens)
 
     def _record(self, token_id: int, accepted: bool) -> bool:
+        self.version += 1
         if accepted:
             self.accepted.append(token_id)
         else:
@@ -104,6 +111,7 @@ class GrammarState:
         """Undo the last `num_tokens` accepted tokens (back into the reasoning, if they reach it)."""
         if num_tokens <= 0:
             return
+        self.version += 1
         keep = len(self.accepted) - num_tokens
         if self.grammar_start is not None:
             # With a gate, what decided the grammar's start (the end marker, or an answer's first
@@ -125,6 +133,7 @@ class GrammarState:
         if common == len(self.accepted) == len(token_ids):
             return
         if self.failed:  # start over: the matcher stopped at the refused token
+            self.version += 1
             self._matcher.reset()
             self.accepted, self.failed, common = [], False, 0
             self.grammar_start = 0 if self._gate is None else None

@@ -77,12 +77,17 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             self.sampled_token_ids = None
         return self._output
 
+    def host_token_ids(self) -> np.ndarray:
+        """[rows, n] the sampled ids on the host, once their copy is done; safe from another
+        thread (the grammar pipeline's)."""
+        if self._copy_done is not None:
+            self._copy_done.synchronize()
+        return self._host[0].numpy()
+
     def host_output(self) -> ModelRunnerOutput:
         """Wait for the copy and build the step's output from the host copies alone, without
         telling the runner: safe from another thread (a worker process's output sender)."""
-        if self._copy_done is not None:
-            self._copy_done.synchronize()
-        sampled = self._host[0].numpy()
+        sampled = self.host_token_ids()
         sampled_token_ids: list[list[int]] = [[] for _ in self.req_ids]
         if sampled.shape[1] == 1:
             for row, token_id in zip(self.sample_rows.tolist(), sampled[:, 0].tolist(), strict=True):

@@ -33,7 +33,7 @@ from pagoda.kv_cache_interface import (
 )
 from pagoda.outputs import IntermediateTensors, LogprobsArrays, ModelRunnerOutput
 from pagoda.sample.logprobs import LogprobsTensors
-from pagoda.sample.metadata import SamplingMetadata, TokenBitmask
+from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sample.sampler import Sampler
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.scheduler.block_pool import NULL_BLOCK_ID
@@ -50,7 +50,8 @@ from pagoda.worker.sampling_batch import OFF
 from pagoda.worker.tagged_memory import TaggedMemoryPool
 
 if TYPE_CHECKING:
-    from pagoda.structured_output.state import GrammarBatch, GrammarState
+    from pagoda.structured_output.pipeline import GrammarPipeline
+    from pagoda.structured_output.state import GrammarState
 
 logger = logging.getLogger(__name__)
 
@@ -213,11 +214,11 @@ class GPUModelRunner:
                 *(torch.zeros(self.max_num_tokens, hidden_size, dtype=self.dtype, device=device) for _ in range(2))
             )
         self.cudagraph_manager: CudaGraphManager | None = None
-        # Structured output: the requests with a grammar, and the host bitmask their rows fill
-        # each step (made with the first one; nothing of it runs while the set is empty).
+        # Structured output: the requests with a grammar, and what advances their grammars and
+        # fills their masks off the step's critical path (made with the first one; nothing of
+        # it runs while the set is empty).
         self._grammar_req_ids: set[str] = set()
-        self._grammar_bitmask: torch.Tensor | None = None
-        self._grammar_batcher: GrammarBatch | None = None
+        self._grammar_pipeline: GrammarPipeline | None = None
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
     # ---- setup -------------------------------------------------------------------------
@@ -507,6 +508,7 @@ class GPUModelRunner:
                 state.output_token_ids = list(token_ids[len(state.prompt_token_ids) :])
                 state.block_ids = tuple(list(ids) for ids in new_block_ids)
                 if state.grammar is not None:
+                    self._grammars().join()
                     state.grammar.sync(state.output_token_ids)
             elif new_block_ids is not None:
                 for group, ids in zip(state.block_ids, new_block_ids, strict=True):
@@ -549,13 +551,16 @@ class GPUModelRunner:
         compiled = get_backend(self.model_config).compile(GrammarSpec.of(params.structured_outputs))
         return GrammarState(compiled, params.structured_outputs)
 
-    def _grammar_batch(self) -> GrammarBatch:
-        """What advances and fills the grammars of a step together (made with the first use)."""
-        if self._grammar_batcher is None:
-            from pagoda.structured_output.state import GrammarBatch
+    def _grammars(self) -> GrammarPipeline:
+        """What advances the grammars and fills their masks (made with the first use): room for
+        a mask per logits row of a verify step, plus the masks its thread filled ahead."""
+        if self._grammar_pipeline is None:
+            from pagoda.structured_output.pipeline import GrammarPipeline
 
-            self._grammar_batcher = GrammarBatch()
-        return self._grammar_batcher
+            speculative = self.config.speculative_config
+            positions = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
+            self._grammar_pipeline = GrammarPipeline(self.max_num_reqs * (positions + 2), self.vocab_size, self.device)
+        return self._grammar_pipeline
 
     def _write_new_token_ids(self, state: CachedRequestState, token_ids: list[int]) -> None:
         """Tokens sampled since the request last ran, sent under pipeline parallelism (only the
@@ -941,14 +946,32 @@ class GPUModelRunner:
             on_ready=self._record_sampled_tokens,
         )
         self._pending_output = output
+        if self._grammar_req_ids:
+            self._advance_grammars(output)
         return output
+
+    def _advance_grammars(self, output: AsyncGPUModelRunnerOutput) -> None:
+        """Hand the step's grammar rows to the pipeline's thread, which advances them over the
+        step's tokens once they reach the host (each token once: a row whose grammar has not
+        caught up with the output before it is left to a later sync)."""
+        from pagoda.structured_output.pipeline import SampledGrammarRow
+
+        pipeline = self._grammars()
+        pipeline.join()
+        rows = []
+        for index, (row, position) in enumerate(zip(output.sample_rows.tolist(), output.positions.tolist(), strict=True)):
+            state = self.requests[output.req_ids[row]]
+            grammar = state.grammar
+            if grammar is not None and position - len(state.prompt_token_ids) == len(grammar.accepted):
+                rows.append(SampledGrammarRow(grammar, index))
+        pipeline.advance(rows, output.host_token_ids)
 
     def _record_sampled_tokens(self, output: AsyncGPUModelRunnerOutput, sampled: np.ndarray) -> None:
         """Put a resolved step's ids where its placeholders are, wherever its requests now live;
         append a verify row's tokens."""
         batch = self.input_batch
-        grammars: list[GrammarState] = []
-        grammar_tokens: list[int] = []
+        if self._grammar_pipeline is not None:
+            self._grammar_pipeline.join()  # from here on the grammars include this step
         for row, position, num_drafts, tokens in zip(
             output.sample_rows.tolist(), output.positions.tolist(), output.num_drafts.tolist(), sampled, strict=True
         ):
@@ -963,14 +986,9 @@ class GPUModelRunner:
             token_id = int(tokens[0])
             if index < len(state.output_token_ids):
                 state.output_token_ids[index] = token_id
-            if state.grammar is not None and index == len(state.grammar.accepted):
-                grammars.append(state.grammar)
-                grammar_tokens.append(token_id)
             now = batch.get_req_index(req_id)
             if now is not None and position < batch.num_tokens[now]:
                 batch.token_ids_cpu[now, position] = token_id
-        if grammars:
-            self._grammar_batch().accept(grammars, grammar_tokens)
 
     def _append_verified(self, state: CachedRequestState, index: int, position: int, token_ids: list[int]) -> None:
         """A verify step's tokens join the request's history (and its batch row, if it has one)."""
@@ -992,37 +1010,25 @@ class GPUModelRunner:
     def _fill_grammar_bitmask(self, inputs: PreparedInputs) -> None:
         """Give the sampler the grammar masks of the constrained rows that sample this step.
 
-        Called after the forward is launched: with async scheduling, the previous step's ids are
-        waited for here (their copy ends as this step's forward starts), the grammars advance
-        over them and the masks are filled while the device runs the forward. Nothing runs
-        when no request has a grammar.
+        Called once the forward is queued. The grammars advanced over the previous step's ids
+        and filled their masks on the pipeline's thread meanwhile (see GrammarPipeline); this
+        joins it, fills what it could not (new rows, a verify row's positions) and sends the
+        masks on a side stream the sampler waits for. Nothing runs when no request has a grammar.
         """
         metadata = inputs.sampling_metadata
         if not self._grammar_req_ids or metadata is None:
             return
-        self._resolve_pending_output()
-        req_ids = self.input_batch.req_ids
-        constrained = [
-            (index, grammar)
-            for index, row in enumerate(inputs.sample_rows.tolist())
-            if (grammar := self.requests[req_ids[row]].grammar) is not None and grammar.active
-        ]
-        if not constrained:
-            return
-        if self._grammar_bitmask is None:
-            from pagoda.structured_output.state import allocate_bitmask
+        from pagoda.structured_output.pipeline import MaskRequest
 
-            self._grammar_bitmask = allocate_bitmask(self.max_num_reqs, self.vocab_size, self.pin_memory)
-        # The pinned rows are rewritten only after this step's sampling read them: the next fill
-        # first waits for this step's sampled ids, which come after the sampler on the stream.
-        bitmask = self._grammar_bitmask
-        self._grammar_batch().fill_bitmask([grammar for _, grammar in constrained], bitmask)
-        # Their rows among the logits (constrained rows draft nothing: one position each).
-        rows = torch.tensor([inputs.logits_start[index] for index, _ in constrained], dtype=torch.int64)
-        metadata.grammar_bitmask = TokenBitmask(
-            rows=rows.to(self.device, non_blocking=True),
-            words=bitmask[: len(constrained)].to(self.device, non_blocking=True),
-        )
+        batch = self.input_batch
+        requests = []
+        for index, row in enumerate(inputs.sample_rows.tolist()):
+            grammar = self.requests[batch.req_ids[row]].grammar
+            if grammar is not None:
+                start, num_drafts = int(batch.num_tokens[row]), int(inputs.num_drafts[index])
+                drafts = batch.token_ids_cpu[row, start : start + num_drafts].tolist()
+                requests.append(MaskRequest(grammar, int(inputs.logits_start[index]), drafts))
+        metadata.grammar_bitmask = self._grammars().masks(requests)
 
     def _needs_host_history(self) -> bool:
         """Bad words are matched on the host against the output so far, the last token included."""

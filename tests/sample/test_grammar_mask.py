@@ -1,10 +1,14 @@
-"""The grammar mask pass: only the listed rows are masked, exactly to their bitmask, last in the chain."""
+"""The grammar mask pass: only the listed rows are masked, exactly to their bitmask, last in the
+chain; in place when it only masks and no logprobs are asked; the Triton kernel (under Triton's
+interpreter without CUDA) masks as the torch path does."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from sampling_utils import make_metadata
 
+from pagoda.sample import triton_bitmask
 from pagoda.sample.logits_processing import LOGITS_PROCESSORS, GrammarMask, apply_token_bitmask, process_logits
 from pagoda.sample.metadata import TokenBitmask
 
@@ -38,5 +42,52 @@ def test_the_mask_is_the_last_pass_and_only_when_a_row_is_constrained(device: st
     logits = torch.randn(2, VOCAB, device=device)
     assert process_logits(logits, metadata) is logits
     metadata.grammar_bitmask = TokenBitmask(torch.tensor([1], device=device), bitmask_of([{3, 4}]).to(device))
+    reference = logits.clone()
     processed = process_logits(logits, metadata)
-    assert processed is not logits and torch.isfinite(processed[1]).sum() == 2 and torch.isfinite(processed[0]).all()
+    assert torch.isfinite(processed[1]).sum() == 2 and torch.isfinite(processed[0]).all()
+    # Masks alone and no logprobs: in place, in the logits' dtype (nothing reads the raw values).
+    assert processed is logits
+    logits.copy_(reference)
+    metadata.max_num_logprobs = 1  # raw logprobs read the logits: a float32 copy is masked instead
+    processed = process_logits(logits, metadata)
+    assert processed is not logits and torch.equal(logits, reference) and torch.isfinite(processed[1]).sum() == 2
+
+
+def mask_case(dtype: torch.dtype) -> tuple[torch.Tensor, TokenBitmask, list[set[int]]]:
+    """Rows 3 and 0 of five masked by words rows 2 and 0 (word_rows), over 4500 tokens (two
+    kernel blocks, the last partial)."""
+    vocab = 4500
+    generator = torch.Generator().manual_seed(0)
+    allowed = [set(torch.randint(0, vocab, (40,), generator=generator).tolist()) | {vocab - 1} for _ in range(3)]
+    words = torch.zeros((3, -(vocab // -32)), dtype=torch.int64)
+    for row, tokens in enumerate(allowed):
+        for token in tokens:
+            words[row, token // 32] |= 1 << (token % 32)
+    logits = torch.randn(5, vocab, generator=generator).to(dtype)
+    mask = TokenBitmask(torch.tensor([3, 0]), words.to(torch.int32), word_rows=torch.tensor([2, 0]))
+    return logits, mask, [allowed[2], allowed[0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_word_rows_pick_each_entry_s_mask(dtype: torch.dtype) -> None:
+    logits, mask, allowed = mask_case(dtype)
+    reference = logits.clone()
+    apply_token_bitmask(logits, mask)
+    for row, tokens in zip((3, 0), allowed, strict=True):
+        assert set(torch.nonzero(torch.isfinite(logits[row])).flatten().tolist()) == tokens
+    assert torch.equal(logits[[1, 2, 4]], reference[[1, 2, 4]])
+
+
+def test_the_triton_kernel_masks_as_the_torch_path() -> None:
+    if not triton_bitmask.available():
+        pytest.skip("triton is not installed")
+    for dtype in (torch.float32, torch.bfloat16):
+        expected, mask, _ = mask_case(dtype)
+        logits = expected.clone()
+        apply_token_bitmask(expected, mask)
+        triton_bitmask.apply_token_bitmask_triton(logits, mask.rows, mask.words, mask.word_rows)
+        assert torch.equal(logits, expected)
+        identity = TokenBitmask(mask.rows, mask.words[[2, 0]])
+        logits = mask_case(dtype)[0]
+        triton_bitmask.apply_token_bitmask_triton(logits, identity.rows, identity.words, None)
+        assert torch.equal(logits, expected)
