@@ -209,3 +209,51 @@ def test_engine_greedy_matches_hf(checkpoint, engine_target):
         compared += assert_greedy_match(output.outputs[0].token_ids, reference, margins, MIN_MARGIN)
     assert compared >= len(prompts) * NEW_TOKENS // 2, "too few confident steps: the test checks nothing"
     llm.llm_engine.check_idle()
+
+
+# Tensor parallelism through the multiprocess executor, and the published shape on the GPU.
+
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    return [output.outputs[0] for output in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.slow),  # two worker processes over gloo
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs")]),
+    ],
+)
+def test_tp2_matches_one_rank(checkpoint, device):
+    """Each rank holds half of every expert and all-reduces the experts' sum once; float32 (on
+    the GPU: the Triton kernel, CUDA graphs with the all-reduce captured)."""
+    path, _ = checkpoint
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(8)]
+    outputs = {}
+    for tp in (1, 2):
+        llm = LLM(path, device=device, dtype="float32", tensor_parallel_size=tp, max_model_len=128, num_gpu_blocks=256)
+        outputs[tp] = [out.token_ids for out in _greedy(llm, prompts, 24)]
+        llm.shutdown()
+    assert outputs[2] == outputs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_qwen3_30b_a3b_shape_serves_with_cuda_graphs():
+    """The published shape with dummy weights in bf16: 128 experts of 768 in 48 layers, decode
+    from CUDA graphs; the first token's logprob as eager execution computes it."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 150000) for _ in range(rng.randint(10, 300))] for _ in range(16)]
+    first = {}
+    for eager in (False, True):
+        llm = LLM("qwen3-30b-a3b", load_format="dummy", max_model_len=1024, enforce_eager=eager)
+        outputs = _greedy(llm, prompts, 32, logprobs=1)
+        assert all(len(out.token_ids) == 32 for out in outputs)
+        first[eager] = [out.logprobs[0][out.token_ids[0]].logprob for out in outputs]
+        llm.shutdown()
+    torch.testing.assert_close(torch.tensor(first[False]), torch.tensor(first[True]), atol=0.05, rtol=0)
