@@ -378,7 +378,6 @@ class Scheduler:
             request
             for request in self.running
             if not request.num_inflight_drafts
-            and request.grammar is None
             and request.num_pending_tokens <= 1
             and self._num_tokens_to_compute(request) == 1
         ]

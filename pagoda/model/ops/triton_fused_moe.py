@@ -118,7 +118,7 @@ def _place_rows_kernel(
     my_padded = tl.sum(tl.where(experts == expert, padded, 0), axis=0)
     if expert == 0:
         tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    placed = tl.full((), 0, tl.int32)
+    placed = count * 0  # rows of this expert placed so far (an int32 scalar like count)
     for offset in range(0, num_rows, BLOCK):
         offs = offset + tl.arange(0, BLOCK)
         ids = tl.load(topk_ids_ptr + offs, mask=offs < num_rows, other=-1)
