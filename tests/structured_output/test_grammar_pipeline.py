@@ -1,0 +1,77 @@
+"""The grammar pipeline: masks filled on its thread follow the tokens it advanced over (never a
+state one step old), a state changed since its prefill is filled again, and a verify row gets a
+mask per position up to the first draft its grammar refuses, its drafts rolled back after."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from structured_output.conftest import EOS_ID, VOCAB
+from structured_output.test_grammar_state import allowed, state_of, tokens_of
+
+from pagoda.sample.metadata import TokenBitmask
+from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.structured_output.pipeline import GrammarPipeline, MaskRequest, SampledGrammarRow
+from pagoda.structured_output.state import GrammarBatch
+
+# Letters and digits alternate: each step allows what the previous one did not.
+ALTERNATING = StructuredOutputsParams(regex=r"([a-e][0-4]){4}")
+
+
+@pytest.fixture
+def pipeline() -> GrammarPipeline:
+    pipeline = GrammarPipeline(max_rows=16, vocab_size=VOCAB, device=torch.device("cpu"), batch=GrammarBatch(1))
+    yield pipeline
+    pipeline.shutdown()
+
+
+def entries(bitmask: TokenBitmask) -> dict[int, set[int]]:
+    """{row among the logits: its allowed tokens}."""
+    word_rows = range(len(bitmask.rows)) if bitmask.word_rows is None else bitmask.word_rows.tolist()
+    return {row: tokens_of(bitmask.words[w]) for row, w in zip(bitmask.rows.tolist(), word_rows, strict=True)}
+
+
+def test_each_step_s_masks_follow_the_tokens_just_advanced_over(backend, pipeline) -> None:
+    """Steps as the runner runs them: masks, sample (each row its own pick of the allowed), then
+    advance on the thread. A mask one step stale would allow the wrong half: the next pick
+    would be refused and the state fail."""
+    states = [state_of(backend, ALTERNATING) for _ in range(3)]
+    for step in range(9):
+        allowed_by_row = entries(pipeline.masks([MaskRequest(state, 2 * i) for i, state in enumerate(states)]))
+        assert set(allowed_by_row) == {0, 2, 4}
+        picks = [sorted(allowed_by_row[2 * i])[(step + i) % len(allowed_by_row[2 * i])] for i in range(3)]
+        ids = np.array(picks, dtype=np.int64)[:, None]
+        pipeline.advance([SampledGrammarRow(state, i) for i, state in enumerate(states)], lambda ids=ids: ids)
+    pipeline.join()
+    assert pipeline.stats.prefilled_rows == 3 * 8  # every step after the first reused the thread's masks
+    for state in states:
+        assert not state.failed and re.fullmatch(r"([a-e][0-4]){4}", bytes(state.accepted[:8]).decode())
+        assert state.accepted[8] == EOS_ID and state.is_terminated
+
+
+def test_a_state_changed_after_its_prefill_is_filled_again(backend, pipeline) -> None:
+    state = state_of(backend, ALTERNATING)
+    ids = np.array([[ord("a")]])
+    pipeline.advance([SampledGrammarRow(state, 0)], lambda: ids)
+    pipeline.join()
+    state.sync(list(b"a1b"))  # a preempted request resumed with another history
+    assert entries(pipeline.masks([MaskRequest(state, 0)])) == {0: set(b"01234")}
+    assert pipeline.stats.prefilled_rows == 0
+
+
+def test_a_verify_row_is_masked_per_position_up_to_a_refused_draft(backend, pipeline) -> None:
+    state = state_of(backend, ALTERNATING)
+    assert state.accept(list(b"a1"))
+    letters, digits = set(b"abcde"), set(b"01234")
+    # Drafts "b", "2", then "x" (refused there): positions 0-2 are masked, none after.
+    masks = entries(pipeline.masks([MaskRequest(state, 5, list(b"b2xc"))]))
+    assert masks == {5: letters, 6: digits, 7: letters}
+    assert state.accepted == list(b"a1") and not state.failed and allowed(state) == letters
+    # All drafts valid: k + 1 masks; the grammar's end allows only eos.
+    assert state.accept(list(b"b2c3"))
+    masks = entries(pipeline.masks([MaskRequest(state, 0, list(b"d4"))]))
+    assert masks == {0: letters, 1: digits, 2: {EOS_ID}}
+    assert state.accepted == list(b"a1b2c3")
