@@ -7,9 +7,10 @@ and `w2` [E, H, I], so that one grouped GEMM serves every expert (the Triton ker
 expert's intermediate dimension I: every rank holds all experts, its slice of each, and the
 summed outputs are all-reduced once, as a row-parallel layer does.
 
-How the weights are held and multiplied is the layer's `FusedMoEMethod`: unquantized here; a
-quantized method (FP8 experts with their scales) creates other parameters and its own kernel
-call through the same two methods, leaving the router, the loaders' slicing and the models as
+How the weights are held and multiplied is the layer's `FusedMoEMethod` (passed down from
+`SparseMoeBlock`): unquantized here; a quantized method (FP8 experts with their scales)
+creates other parameters (the weights sliced by the same loader, scales by their own) and
+makes its own kernel call through the same two methods, leaving the router and the models as
 they are.
 """
 
@@ -219,14 +220,20 @@ class SparseMoeBlock(nn.Module):
     MLP in a decoder layer, named as HF names it (`mlp.gate`, `mlp.experts`)."""
 
     def __init__(
-        self, hidden_size: int, num_experts: int, intermediate_size: int, routing: Routing, names: ExpertNames
+        self,
+        hidden_size: int,
+        num_experts: int,
+        intermediate_size: int,
+        routing: Routing,
+        names: ExpertNames,
+        method: FusedMoEMethod | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= routing.top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({routing.top_k}) must be in [1, num_experts={num_experts}]")
         self.routing = routing
         self.gate = Router(hidden_size, num_experts)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, names)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, names, method)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(self.gate(hidden_states), self.routing)
