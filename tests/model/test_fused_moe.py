@@ -211,3 +211,45 @@ def test_cuda_graph_replay_matches_eager(model_experts):
     static[2].copy_(new_ids)
     graph.replay()
     assert torch.equal(static_out, fused_experts(x, w13, w2, new_weights, new_ids))
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """Triton's own compiler (not the interpreter) takes every kernel and table config down to
+    PTX for sm_90, so a construct only the interpreter accepts fails here, on any machine."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from pagoda.model.ops import triton_fused_moe
+
+    def source(kernel, signature: dict[str, str], constants: dict) -> ASTSource:
+        # Under TRITON_INTERPRET=1 the module's kernels are interpreted functions: jit the Python.
+        return ASTSource(JITFunction(getattr(kernel, "fn", kernel)), signature, constants)
+
+    target = GPUTarget("cuda", 90, 32)
+    pointer, index = "*i32", "i32"
+    align = {"topk_ids_ptr": pointer, "counts_ptr": pointer, "num_rows": index, "BLOCK": "constexpr"}
+    triton.compile(source(triton_fused_moe._count_rows_kernel, align, {"BLOCK": 256}), target=target)
+    place = {name: pointer for name in ("topk_ids_ptr", "counts_ptr", "sorted_ids_ptr", "expert_ids_ptr")}
+    place |= {"num_padded_ptr": pointer, "num_rows": index, "num_experts": index}
+    place |= dict.fromkeys(("BLOCK_M", "EXPERTS_PAD", "BLOCK"), "constexpr")
+    constants = {"BLOCK_M": 16, "EXPERTS_PAD": 128, "BLOCK": 256}
+    triton.compile(source(triton_fused_moe._place_rows_kernel, place, constants), target=target)
+    gemm = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "routed_weights_ptr": "*fp32"}
+    gemm |= dict.fromkeys(("sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr"), pointer)
+    gemm |= dict.fromkeys(("num_rows", "N", "K", "a_rows_per_token", "stride_am", "stride_we", "stride_wn"), index)
+    gemm["stride_om"] = index
+    flags = ("GATED", "MUL_ROUTED_WEIGHT", "INPUT_PRECISION", "DOT_IN_FP32", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
+    gemm |= dict.fromkeys(flags, "constexpr")
+    for _, config in CONFIG_TABLE:
+        for gated, tiling in ((True, config.gate_up), (False, config.down)):
+            constants = {"GATED": gated, "MUL_ROUTED_WEIGHT": not gated, "INPUT_PRECISION": "tf32"}
+            constants |= {"DOT_IN_FP32": False, "BLOCK_M": config.block_m, "BLOCK_N": tiling.block_n}
+            constants |= {"BLOCK_K": tiling.block_k, "GROUP_M": tiling.group_m}
+            options = {"num_warps": tiling.num_warps, "num_stages": tiling.num_stages}
+            kernel = triton.compile(
+                source(triton_fused_moe._fused_moe_kernel, gemm, constants), target=target, options=options
+            )
+            assert "mma" in kernel.asm["ptx"]  # tensor-core dots
