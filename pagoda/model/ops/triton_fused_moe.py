@@ -69,7 +69,9 @@ class MoeConfig:
 # row or two), small batches, prefill chunks. Starting points for 16-bit weights on an H200;
 # `python benchmarks/moe_kernel.py --tune` sweeps the candidates per shape and prints the table.
 CONFIG_TABLE: tuple[tuple[float, MoeConfig], ...] = (
-    (4, MoeConfig(16, GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 128, 1, 4, 4))),
+    # decode: 32 gate and 32 up columns a program, so that Qwen3-30B-A3B's 8 experts x 768 columns
+    # of one token are 192 programs (64 columns: 96, fewer than an H200's 132 SMs)
+    (4, MoeConfig(16, GemmConfig(32, 256, 1, 4, 4), GemmConfig(64, 128, 1, 4, 4))),
     (32, MoeConfig(32, GemmConfig(64, 128, 8, 4, 4), GemmConfig(64, 128, 8, 4, 4))),
     (128, MoeConfig(64, GemmConfig(64, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4))),
     (float("inf"), MoeConfig(64, GemmConfig(128, 64, 8, 8, 3), GemmConfig(128, 64, 8, 4, 4))),
