@@ -2,43 +2,53 @@
 
 Step N+1's masks depend on step N's sampled ids, which reach the host only after step N's
 sampling ran on the device. Done on the step loop's thread (advance every matcher over its
-token, then fill every mask: ~2.6 ms at 131 rows on the H200's host), that work adds to the
-host's other per-step work (scheduling, inputs, outputs) and the device waits for both.
+token, then fill every mask: ~2.6 ms at 131 rows on the H200's host), that work sits in a
+chain: step N's ids, the masks, queuing step N+1's sampler, then the host's other work for
+step N+2 (outputs, scheduling, inputs) before step N+2's forward can be queued. The device
+idles for whatever of that chain the forward does not cover.
 
-Here it runs on a thread of its own: once step N is queued, `advance` hands the thread step
-N's grammar rows; the thread waits for step N's ids (their copy ends as step N+1's forward
-starts on the device), advances the matchers and fills each one's next mask ahead of time,
-while the loop schedules and prepares step N+1 and queues its forward. `masks` then joins
-the thread (usually long done), fills only what could not be known ahead (new requests, a
-verify step's positions), and sends the masks to the device on a side stream: the sampler
-waits for that copy on its own stream, so neither the copy nor the fill delays the forward.
+Here the chain runs on a thread of the pipeline's own. `advance` hands it step N's grammar
+rows as soon as step N is queued: it waits for the ids (they land as step N+1's forward
+starts), advances the matchers and fills every row's next mask into host memory, one row per
+state in the order given. `masks` for step N+1 does not wait for it: the layout is known in
+advance (a state of the job has the job's row for it), so the loop fills only what the job
+does not cover (new requests; a verify row's positions, each after its drafts so far), queues
+the masks' copy on a side stream behind a device-side wait for the job (`HostFlag`), and the
+sampler waits for the copy on its own stream. The host goes straight on to its next step;
+the device waits for the masks only if the job takes longer than the forward.
 
-Every access to a grammar state from the step loop goes through `join` first: at most one
-job is in flight, and it alone touches the states while it runs. xgrammar's calls release the
-GIL; the thread holds it only for short loops over the rows.
+Masks alternate between two host buffers: a job writes the one the next `masks` reads, while
+the device may still copy the other. Every access to grammar states from the loop is either
+to states no job in flight holds, or after `join`. On the CPU (and where the device cannot
+poll host memory) `masks` joins the job instead. xgrammar's calls release the GIL; the thread
+holds it only for short loops over the rows.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagoda.sample.metadata import TokenBitmask
+from pagoda.structured_output.host_flag import HostFlag
 from pagoda.structured_output.state import GrammarBatch, GrammarState, allocate_bitmask
 
 
 @dataclass(frozen=True)
 class SampledGrammarRow:
-    """A row of a queued step whose grammar advances over the step's tokens: `index` is its
-    row among the step's sampled ids ([rows, n], -1 past a row's last)."""
+    """A row of a queued step whose grammar advances over the step's tokens: `index` is its row
+    among the step's sampled ids ([rows, n], -1 past a row's last), `output_index` the place in
+    the request's output of its first new token (a grammar not exactly there is left alone)."""
 
     state: GrammarState
     index: int
+    output_index: int
 
 
 @dataclass(frozen=True)
@@ -54,9 +64,9 @@ class MaskRequest:
 @dataclass
 class PipelineStats:
     """Host seconds summed over steps, for the benchmarks: the thread's work (`wait_ids`: its
-    wait for the ids; `advance`; `prefill`), the loop's (`join_wait`: blocked on the thread,
-    the part not overlapped; `fill`: masks filled on the loop; `send`: staging and queuing
-    the copy), the steps that had masks and their rows."""
+    wait for the ids; `advance`; `prefill`), the loop's (`join_wait`: blocked on the thread;
+    `fill`: masks filled on the loop; `send`: staging and queuing the copy), the steps with
+    masks, those whose copy waited for the thread on the device (`deferred`), and rows."""
 
     wait_ids: float = 0.0
     advance: float = 0.0
@@ -65,6 +75,7 @@ class PipelineStats:
     fill: float = 0.0
     send: float = 0.0
     steps: int = 0
+    deferred: int = 0
     rows: int = 0
     max_rows: int = 0
     prefilled_rows: int = 0
@@ -80,112 +91,177 @@ class PipelineStats:
 
 
 @dataclass
-class _Prefilled:
-    """Masks the thread filled ahead: host row and the state's version it was filled at."""
+class _Buffers:
+    """One of the two host sets: masks, staged (logits row, mask row) pairs, and the copy that
+    last read them (reused only once it is done)."""
 
-    rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    host: torch.Tensor
+    index: torch.Tensor
+    copied: torch.cuda.Event | None
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A job on the thread: its number (the flag it sets), its buffer, its states (kept alive,
+    so that no new state takes one's id) and each one's host row by id, and the states'
+    versions once their masks are filled."""
+
+    seq: int
+    buffer: int
+    states: tuple[GrammarState, ...]
+    rows_of: dict[int, int]
+    future: Future[dict[int, int]]
+
+
+ALL_TOKENS = -1  # an int32 word with every bit set: a row the grammar does not constrain
 
 
 class GrammarPipeline:
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device, batch: GrammarBatch | None = None) -> None:
-        self.batch = batch or GrammarBatch()
-        self.device = device
+        self.batch = batch or GrammarBatch()  # the thread's, and the loop's while no job runs
+        self._loop_batch = GrammarBatch(num_threads=1)  # the loop's while a job runs
         cuda = device.type == "cuda"
-        self._host = allocate_bitmask(max_rows, vocab_size, pin_memory=cuda)
-        # Staged index rows: logits row and mask row of each entry.
-        self._index = torch.zeros((2, max_rows), dtype=torch.int64, pin_memory=cuda)
+        self._buffers = [
+            _Buffers(
+                allocate_bitmask(max_rows, vocab_size, pin_memory=cuda),
+                torch.zeros((2, max_rows), dtype=torch.int64, pin_memory=cuda),
+                torch.cuda.Event() if cuda else None,
+            )
+            for _ in range(2)
+        ]
+        self._current = 0  # the buffer the next `masks` reads
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-step")
-        self._job: Future[_Prefilled] | None = None
-        self._prefilled = _Prefilled()
+        self._jobs: deque[_Job] = deque()  # submitted, not yet joined
+        self._latest: _Job | None = None  # the last submitted, until a `masks` reads its rows
+        self._seq = 0
         self.stats = PipelineStats()
+        self._flag = HostFlag() if cuda else None
         self._stream = torch.cuda.Stream(device) if cuda else None
-        self._words = torch.zeros_like(self._host, device=device) if cuda else self._host
-        self._index_device = torch.zeros_like(self._index, device=device) if cuda else self._index
-        # The last copy of the masks (host buffers reusable once done) and the last read of them
-        # on the device (the next copy overwrites the same device buffer after it).
-        self._copied = torch.cuda.Event() if cuda else None
+        self._words = torch.zeros_like(self._buffers[0].host, device=device) if cuda else None
+        self._index_device = torch.zeros_like(self._buffers[0].index, device=device) if cuda else None
+        # The last sampler's read of the device buffers (the next copy overwrites them after it).
         self._applied = torch.cuda.Event() if cuda else None
 
     # ---- the thread -----------------------------------------------------------------------
 
     def advance(self, rows: list[SampledGrammarRow], host_token_ids: Callable[[], np.ndarray]) -> None:
-        """Start advancing `rows` over their tokens of a queued step (`host_token_ids` waits for
-        them) and filling their next masks; returns at once."""
-        self.join()
-        if rows:
-            self._job = self._thread.submit(self._advance_and_prefill, rows, host_token_ids)
+        """Queue advancing `rows` over their tokens of a queued step (`host_token_ids` waits for
+        them) and filling their next masks; returns at once, reading no grammar state."""
+        if not rows:
+            return
+        self._seq += 1
+        buffers = self._buffers[self._current]
+        future = self._thread.submit(self._run_job, self._seq, buffers, rows, host_token_ids)
+        states = tuple(row.state for row in rows)
+        job = _Job(self._seq, self._current, states, {id(state): i for i, state in enumerate(states)}, future)
+        self._jobs.append(job)
+        self._latest = job
 
-    def _advance_and_prefill(
-        self, rows: list[SampledGrammarRow], host_token_ids: Callable[[], np.ndarray]
-    ) -> _Prefilled:
+    def _run_job(
+        self, seq: int, buffers: _Buffers, rows: list[SampledGrammarRow], host_token_ids: Callable[[], np.ndarray]
+    ) -> dict[int, int]:
+        try:
+            with torch.inference_mode():  # the buffers may be inference tensors (made in a step)
+                return self._advance_and_fill(buffers, rows, host_token_ids)
+        finally:
+            if self._flag is not None:
+                self._flag.set(seq)  # also on failure: the device must not wait forever
+
+    def _advance_and_fill(
+        self, buffers: _Buffers, rows: list[SampledGrammarRow], host_token_ids: Callable[[], np.ndarray]
+    ) -> dict[int, int]:
         start = time.perf_counter()
         token_ids = host_token_ids()
-        if self._copied is not None:
-            self._copied.synchronize()  # the host mask is free (done long before the ids, in practice)
+        if buffers.copied is not None:
+            buffers.copied.synchronize()  # the copy two steps ago (done long before the ids)
         ids_ready = time.perf_counter()
-        single = token_ids.shape[1] == 1
-        plain = [row for row in rows if single or token_ids[row.index, 1] < 0]
-        self.batch.accept([row.state for row in plain], token_ids[[row.index for row in plain], 0].tolist())
-        if len(plain) < len(rows):
-            for row in rows:
-                tokens = token_ids[row.index]
-                if not single and tokens[1] >= 0:  # a verify row: its accepted drafts and one more
-                    row.state.accept(tokens[tokens >= 0].tolist())
+        self._accept(rows, token_ids)
         advanced = time.perf_counter()
-        states = [row.state for row in rows if row.state.active]
-        self.batch.fill_bitmask(states, self._host[: len(states)])
-        prefilled = _Prefilled({id(state): (i, state.version) for i, state in enumerate(states)})
+        states = [row.state for row in rows]
+        active = [i for i, state in enumerate(states) if state.active]
+        if len(active) < len(states):
+            buffers.host[[i for i, state in enumerate(states) if not state.active]] = ALL_TOKENS
+        self.batch.fill_bitmask([states[i] for i in active], buffers.host, active)
+        versions = {id(state): state.version for state in states}
         done = time.perf_counter()
         self.stats.wait_ids += ids_ready - start
         self.stats.advance += advanced - ids_ready
         self.stats.prefill += done - advanced
-        return prefilled
+        return versions
+
+    def _accept(self, rows: list[SampledGrammarRow], token_ids: np.ndarray) -> None:
+        """Each row's state over its tokens: a plain row's one together, a verify row's accepted
+        drafts and the token after them one state at a time."""
+        single = token_ids.shape[1] == 1
+        plain, verified = [], []
+        for row in rows:
+            if len(row.state.accepted) != row.output_index:
+                continue
+            (plain if single or token_ids[row.index, 1] < 0 else verified).append(row)
+        self.batch.accept([row.state for row in plain], token_ids[[row.index for row in plain], 0].tolist())
+        for row in verified:
+            tokens = token_ids[row.index]
+            row.state.accept(tokens[tokens >= 0].tolist())
 
     def join(self) -> None:
-        """Wait for the job in flight, if any: the grammar states are the loop's again."""
-        if self._job is None:
+        """Wait for every job: the grammar states are the loop's again."""
+        if not self._jobs:
             return
         start = time.perf_counter()
-        job, self._job = self._job, None
-        self._prefilled = job.result()
+        while self._jobs:
+            self._jobs.popleft().future.result()
         self.stats.join_wait += time.perf_counter() - start
+
+    def _settle(self) -> None:
+        """Forget finished jobs (raising what one raised)."""
+        while self._jobs and self._jobs[0].future.done():
+            self._jobs.popleft().future.result()
 
     # ---- the loop -------------------------------------------------------------------------
 
     def masks(self, requests: list[MaskRequest]) -> TokenBitmask | None:
-        """The masks of the step's constrained rows, on their way to the device (None when none
-        of them is constrained at any position). A verify row gets one per position until a
-        draft its grammar refuses (later positions are never emitted: the model's masked sample
-        there cannot equal that draft); its drafts are rolled back before this returns."""
-        self.join()
-        if self._copied is not None:
-            self._copied.synchronize()  # the host buffers are free (long done, in practice)
+        """The masks of the step's constrained rows, on their way to the device (None when no
+        row is constrained). A verify row gets one per position until a draft its grammar
+        refuses (later positions are never emitted: the model's masked sample there cannot
+        equal that draft); its drafts are rolled back before this returns."""
         start = time.perf_counter()
-        prefilled = self._prefilled.rows
-        self._prefilled = _Prefilled()
-        free = 1 + max((row for row, _ in prefilled.values()), default=-1)
+        self._settle()
+        if self._needs_join(requests):
+            self.join()
+        buffers = self._buffers[self._current]
+        latest = self._latest if self._latest is not None and self._latest.buffer == self._current else None
+        running = latest is not None and not latest.future.done()
+        versions = latest.future.result() if latest is not None and not running else {}
+        rows_of = latest.rows_of if latest is not None else {}
+        if buffers.copied is not None:
+            buffers.copied.synchronize()  # the loop writes this buffer too (copied long ago)
+        free = len(rows_of)
         entries: list[tuple[int, int]] = []  # (row among the logits, row of the host masks)
         pending: list[GrammarState] = []
         reused = 0
         for request in requests:
             state = request.state
-            if request.drafts or not state.active:
+            if request.drafts:
                 continue
-            known = prefilled.get(id(state))
-            if known is not None and known[1] == state.version:
-                entries.append((request.logits_start, known[0]))
+            row = rows_of.get(id(state))
+            if row is not None and (running or versions[id(state)] == state.version):
                 reused += 1
-            else:
+                if running or state.active:  # a running job's inactive rows allow every token
+                    entries.append((request.logits_start, row))
+            elif state.active:
                 entries.append((request.logits_start, free + len(pending)))
                 pending.append(state)
+        batch = self._loop_batch if self._jobs else self.batch
         if pending:
-            self.batch.fill_bitmask(pending, self._host[free : free + len(pending)])
+            batch.fill_bitmask(pending, buffers.host[free : free + len(pending)])
         free += len(pending)
         for request in requests:
             if request.drafts:
-                free = self._fill_positions(request, free, entries)
+                free = self._fill_positions(request, free, entries, batch, buffers.host)
+        self._latest = None  # its rows are read (or stale): the next job writes the other buffer
+        self._current ^= 1
         filled = time.perf_counter()
-        bitmask = self._send(entries) if entries else None
+        bitmask = self._send(entries, buffers, latest.seq if running else None) if entries else None
         stats = self.stats
         stats.fill += filled - start
         stats.send += time.perf_counter() - filled
@@ -196,13 +272,36 @@ class GrammarPipeline:
             stats.prefilled_rows += reused
         return bitmask
 
-    def _fill_positions(self, request: MaskRequest, free: int, entries: list[tuple[int, int]]) -> int:
+    def _needs_join(self, requests: list[MaskRequest]) -> bool:
+        """Whether the loop must wait for the thread: it needs a state a job holds (a verify
+        row's, to try its drafts; one in a job before the latest, whose rows are gone), or the
+        latest job wrote another buffer than this step reads."""
+        if not self._jobs:
+            return False
+        latest = self._jobs[-1]
+        if latest.buffer != self._current:
+            return True
+        older = {key for job in list(self._jobs)[:-1] for key in job.rows_of}
+        for request in requests:
+            key = id(request.state)
+            if key in older or (request.drafts and key in latest.rows_of):
+                return True
+        return False
+
+    def _fill_positions(
+        self,
+        request: MaskRequest,
+        free: int,
+        entries: list[tuple[int, int]],
+        batch: GrammarBatch,
+        host: torch.Tensor,
+    ) -> int:
         """A verify row's masks from host row `free` on, each after tentatively accepting the
         drafts before it; rolled back after. The next free host row."""
         state, drafts, tried = request.state, request.drafts, 0
         for position in range(len(drafts) + 1):
             if state.active:
-                self.batch.fill_bitmask([state], self._host[free : free + 1])
+                batch.fill_bitmask([state], host, [free])
                 entries.append((request.logits_start + position, free))
                 free += 1
             if position == len(drafts) or not state.accept([drafts[position]], tentative=True):
@@ -211,31 +310,37 @@ class GrammarPipeline:
         state.rollback(tried)
         return free
 
-    def _send(self, entries: list[tuple[int, int]]) -> TokenBitmask:
-        """The masks of `entries` for the sampler: on CUDA copied on the side stream, behind the
-        last step's read of the device buffers; on the CPU the host buffers themselves (the
-        sampler there has read them before the next step's masks are written)."""
+    def _send(self, entries: list[tuple[int, int]], buffers: _Buffers, wait_for: int | None) -> TokenBitmask:
+        """The masks of `entries` for the sampler. On CUDA copied on the side stream, behind
+        the thread's job `wait_for` (polled on the device) and the last sampler's read of the
+        device buffers; on the CPU the host buffers themselves, once the job is joined."""
         num = len(entries)
-        index = self._index
+        index = buffers.index
         index[:, :num] = torch.tensor(entries, dtype=torch.int64).T
         identity = all(word_row == i for i, (_, word_row) in enumerate(entries))
         num_words = 1 + max(word_row for _, word_row in entries)
         if self._stream is None:
+            self.join()
             return TokenBitmask(
-                rows=index[0, :num], words=self._host[:num_words], word_rows=None if identity else index[1, :num]
+                rows=index[0, :num], words=buffers.host[:num_words], word_rows=None if identity else index[1, :num]
             )
-        assert self._copied is not None and self._applied is not None
+        assert self._flag is not None and self._words is not None and self._index_device is not None
+        if wait_for is not None:
+            if self._flag.wait_on_device(wait_for, self._stream):
+                self.stats.deferred += 1
+            else:
+                self.join()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._applied)
-            self._words[:num_words].copy_(self._host[:num_words], non_blocking=True)
+            self._words[:num_words].copy_(buffers.host[:num_words], non_blocking=True)
             for part in range(2):  # row by row: contiguous pinned slices copy without the host
                 self._index_device[part, :num].copy_(index[part, :num], non_blocking=True)
-            self._copied.record(self._stream)
+            buffers.copied.record(self._stream)
         return TokenBitmask(
             rows=self._index_device[0, :num],
             words=self._words[:num_words],
             word_rows=None if identity else self._index_device[1, :num],
-            ready=self._copied,
+            ready=buffers.copied,
             applied=self._applied,
         )
 

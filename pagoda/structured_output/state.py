@@ -203,16 +203,17 @@ class GrammarBatch:
         for (state, token_id), accepted in zip(pairs, itertools.chain.from_iterable(chunks), strict=True):
             state._record(token_id, accepted)
 
-    def fill_bitmask(self, states: list[GrammarState], bitmask: torch.Tensor) -> None:
-        """Write active state i's allowed next tokens into `bitmask[i]` (int32 words, bit b of
-        word w: token 32w + b)."""
+    def fill_bitmask(self, states: list[GrammarState], bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Write active state i's allowed next tokens into `bitmask[rows[i]]` (row i without
+        `rows`; int32 words, bit b of word w: token 32w + b)."""
         matchers = [state._matcher for state in states]
+        rows = list(range(len(states))) if rows is None else rows
 
         def fill(batch: xgr.BatchGrammarMatcher, lo: int, hi: int) -> None:
-            batch.batch_fill_next_token_bitmask(matchers[lo:hi], bitmask, list(range(lo, hi)))
+            batch.batch_fill_next_token_bitmask(matchers[lo:hi], bitmask, rows[lo:hi])
 
         self._run(fill, len(matchers))
-        for row, state in enumerate(states):
+        for row, state in zip(rows, states, strict=True):
             if state.grammar_start is None:  # opening or forcing its reasoning's start marker
                 state.adjust_mask(bitmask[row])
 

@@ -952,26 +952,22 @@ class GPUModelRunner:
 
     def _advance_grammars(self, output: AsyncGPUModelRunnerOutput) -> None:
         """Hand the step's grammar rows to the pipeline's thread, which advances them over the
-        step's tokens once they reach the host (each token once: a row whose grammar has not
-        caught up with the output before it is left to a later sync)."""
+        step's tokens once they reach the host (reading no grammar state here: a job may run)."""
         from pagoda.structured_output.pipeline import SampledGrammarRow
 
-        pipeline = self._grammars()
-        pipeline.join()
         rows = []
-        for index, (row, position) in enumerate(zip(output.sample_rows.tolist(), output.positions.tolist(), strict=True)):
+        for index, (row, position) in enumerate(
+            zip(output.sample_rows.tolist(), output.positions.tolist(), strict=True)
+        ):
             state = self.requests[output.req_ids[row]]
-            grammar = state.grammar
-            if grammar is not None and position - len(state.prompt_token_ids) == len(grammar.accepted):
-                rows.append(SampledGrammarRow(grammar, index))
-        pipeline.advance(rows, output.host_token_ids)
+            if state.grammar is not None:
+                rows.append(SampledGrammarRow(state.grammar, index, position - len(state.prompt_token_ids)))
+        self._grammars().advance(rows, output.host_token_ids)
 
     def _record_sampled_tokens(self, output: AsyncGPUModelRunnerOutput, sampled: np.ndarray) -> None:
         """Put a resolved step's ids where its placeholders are, wherever its requests now live;
         append a verify row's tokens."""
         batch = self.input_batch
-        if self._grammar_pipeline is not None:
-            self._grammar_pipeline.join()  # from here on the grammars include this step
         for row, position, num_drafts, tokens in zip(
             output.sample_rows.tolist(), output.positions.tolist(), output.num_drafts.tolist(), sampled, strict=True
         ):
@@ -1010,10 +1006,11 @@ class GPUModelRunner:
     def _fill_grammar_bitmask(self, inputs: PreparedInputs) -> None:
         """Give the sampler the grammar masks of the constrained rows that sample this step.
 
-        Called once the forward is queued. The grammars advanced over the previous step's ids
-        and filled their masks on the pipeline's thread meanwhile (see GrammarPipeline); this
-        joins it, fills what it could not (new rows, a verify row's positions) and sends the
-        masks on a side stream the sampler waits for. Nothing runs when no request has a grammar.
+        Called once the forward is queued. The grammars advance over the previous step's ids
+        and fill their masks on the pipeline's thread meanwhile (see GrammarPipeline); this
+        fills what the thread does not (new rows, a verify row's positions) and queues the
+        masks' copy on a side stream, behind the thread's job on the device, that the sampler
+        waits for: the host does not wait. Nothing runs when no request has a grammar.
         """
         metadata = inputs.sampling_metadata
         if not self._grammar_req_ids or metadata is None:
@@ -1022,12 +1019,17 @@ class GPUModelRunner:
 
         batch = self.input_batch
         requests = []
-        for index, row in enumerate(inputs.sample_rows.tolist()):
+        for row, num_drafts, logits_start in zip(
+            inputs.sample_rows.tolist(), inputs.num_drafts.tolist(), inputs.logits_start.tolist(), strict=True
+        ):
             grammar = self.requests[batch.req_ids[row]].grammar
-            if grammar is not None:
-                start, num_drafts = int(batch.num_tokens[row]), int(inputs.num_drafts[index])
+            if grammar is None:
+                continue
+            drafts = ()
+            if num_drafts:
+                start = int(batch.num_tokens[row])
                 drafts = batch.token_ids_cpu[row, start : start + num_drafts].tolist()
-                requests.append(MaskRequest(grammar, int(inputs.logits_start[index]), drafts))
+            requests.append(MaskRequest(grammar, logits_start, drafts))
         metadata.grammar_bitmask = self._grammars().masks(requests)
 
     def _needs_host_history(self) -> bool:

@@ -5,6 +5,7 @@ mask per position up to the first draft its grammar refuses, its drafts rolled b
 from __future__ import annotations
 
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -44,7 +45,8 @@ def test_each_step_s_masks_follow_the_tokens_just_advanced_over(backend, pipelin
         assert set(allowed_by_row) == {0, 2, 4}
         picks = [sorted(allowed_by_row[2 * i])[(step + i) % len(allowed_by_row[2 * i])] for i in range(3)]
         ids = np.array(picks, dtype=np.int64)[:, None]
-        pipeline.advance([SampledGrammarRow(state, i) for i, state in enumerate(states)], lambda ids=ids: ids)
+        rows = [SampledGrammarRow(state, i, step) for i, state in enumerate(states)]
+        pipeline.advance(rows, lambda ids=ids: ids)
     pipeline.join()
     assert pipeline.stats.prefilled_rows == 3 * 8  # every step after the first reused the thread's masks
     for state in states:
@@ -55,7 +57,7 @@ def test_each_step_s_masks_follow_the_tokens_just_advanced_over(backend, pipelin
 def test_a_state_changed_after_its_prefill_is_filled_again(backend, pipeline) -> None:
     state = state_of(backend, ALTERNATING)
     ids = np.array([[ord("a")]])
-    pipeline.advance([SampledGrammarRow(state, 0)], lambda: ids)
+    pipeline.advance([SampledGrammarRow(state, 0, 0)], lambda: ids)
     pipeline.join()
     state.sync(list(b"a1b"))  # a preempted request resumed with another history
     assert entries(pipeline.masks([MaskRequest(state, 0)])) == {0: set(b"01234")}
@@ -75,3 +77,23 @@ def test_a_verify_row_is_masked_per_position_up_to_a_refused_draft(backend, pipe
     masks = entries(pipeline.masks([MaskRequest(state, 0, list(b"d4"))]))
     assert masks == {0: letters, 1: digits, 2: {EOS_ID}}
     assert state.accepted == list(b"a1b2c3")
+
+
+def test_masks_are_laid_out_while_the_job_still_runs(backend, pipeline) -> None:
+    """The loop lays out step N+1's masks before the thread is done (its ids are late here): a
+    state of the job takes the job's row, a new request is filled on the loop after them, and
+    a state the job ends (eos) gets a row that allows every token (its sample is dropped)."""
+    states = [state_of(backend, ALTERNATING) for _ in range(2)]
+    assert states[1].accept(list(b"a1b2c3d4"))  # at its end: eos next
+    fresh = state_of(backend, ALTERNATING)
+    ids_late = threading.Event()
+    threading.Timer(0.3, ids_late.set).start()
+
+    def late_ids() -> np.ndarray:
+        ids_late.wait()
+        return np.array([[ord("c")], [EOS_ID]])
+
+    pipeline.advance([SampledGrammarRow(states[0], 0, 0), SampledGrammarRow(states[1], 1, 8)], late_ids)
+    masks = pipeline.masks([MaskRequest(states[0], 0), MaskRequest(states[1], 1), MaskRequest(fresh, 2)])
+    assert entries(masks) == {0: set(b"01234"), 1: set(range(VOCAB)), 2: set(b"abcde")}
+    assert states[1].is_terminated and pipeline.stats.prefilled_rows == 2
