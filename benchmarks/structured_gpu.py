@@ -1,14 +1,28 @@
-"""Structured output on the GPU: nanobench with every request under a grammar that never ends,
-beside the same run unconstrained (same prompts, same token counts, same process), and the host
-time the grammars take per step (advancing over the sampled ids and filling the masks).
+"""Structured output on the GPU: nanobench with every request under a JSON schema that never
+ends, beside the same run unconstrained (same prompts, same token counts, same process), with
+the grammars' host time per step and how much of it the forward hid.
 
-The grammar is an endless JSON list of objects (`[{"id": 12, "name": "ab"}, {...}, ...`, a rule
-with no way out): it never terminates nor allows eos, so both runs produce exactly the
-workload's tokens.
-Dummy weights need a tokenizer for a grammar: pass one with --tokenizer (a directory with
-tokenizer.json; the masks cover its vocabulary, the model's extra ids stay masked).
+The schema is an array of at least 100,000 objects (`{"id": 123, "name": "ab", "active": true,
+"tags": ["a"]}`, compiled by xgrammar's JSON-schema compiler with fixed separators): no output
+of the workload (at most 1,024 tokens) reaches its end, so the grammar never allows eos and
+both runs produce exactly the workload's tokens (ignore_eos is refused under a grammar).
+
+Per constrained step, from the runner's `GrammarPipeline.stats`: on the pipeline's thread
+`wait_ids` (waiting for the previous step's ids), `advance` (matchers over them), `prefill`
+(their next masks); on the step loop `join_wait` (blocked on the thread: the part not hidden),
+`fill` (masks the thread could not fill ahead) and `send` (staging the copy); `overlap` is the
+share of the thread's work the loop did not wait for; `deferred_share` the steps whose masks'
+copy waited for the thread on the device (the loop went straight on).
+
+`--host-only` measures the masks' cost at a fixed batch (default 256) without a model: the same
+schema's matchers advanced over tokens drawn from their own masks, one step at a time, and on
+CUDA the mask kernel on [batch, vocab] logits.
 
     python benchmarks/structured_gpu.py --model qwen3-0.6b --tokenizer DIR [--num-prompts 256]
+    python benchmarks/structured_gpu.py --tokenizer DIR --host-only [--batch 256]
+
+Dummy weights need a tokenizer for a grammar: pass one with --tokenizer (a directory with
+tokenizer.json; the masks cover the model's vocabulary, the ids past the tokenizer's stay masked).
 """
 
 from __future__ import annotations
@@ -19,30 +33,141 @@ import json
 import time
 from collections import defaultdict
 
-from pagoda import LLM, SamplingParams, StructuredOutputsParams
-from pagoda.benchmarks.throughput import nanobench_workload
-from pagoda.structured_output.state import GrammarBatch
-from pagoda.worker.gpu_model_runner import GPUModelRunner
+import numpy as np
+import torch
 
-ENDLESS_LIST = r"""
-root ::= "[" items
-items ::= item "," ws items
-item ::= "{\"id\": " [0-9]+ ", \"name\": \"" [a-z ]* "\"}"
-ws ::= " "?
-"""
+ENDLESS_SCHEMA = {
+    "type": "array",
+    "minItems": 100_000,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 99_999},
+            "name": {"type": "string", "maxLength": 12},
+            "active": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        },
+        "required": ["id", "name", "active", "tags"],
+    },
+}
 
 
-def _timed(owner: type, name: str, totals: dict[str, float]) -> None:
-    original = getattr(owner, name)
+def end_to_end(args: argparse.Namespace) -> dict:
+    from pagoda import LLM, SamplingParams, StructuredOutputsParams
+    from pagoda.benchmarks.throughput import nanobench_workload
+    from pagoda.structured_output.pipeline import PipelineStats
+    from pagoda.worker.gpu_model_runner import GPUModelRunner
 
-    def wrapper(*args, **kwargs):
+    steps = defaultdict(int)
+    execute = GPUModelRunner.execute_model
+
+    def counting_execute(self, *a, **kw):
+        steps["steps"] += 1
+        return execute(self, *a, **kw)
+
+    GPUModelRunner.execute_model = counting_execute
+
+    llm = LLM(
+        model=args.model, load_format=args.load_format, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype
+    )
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    workload = nanobench_workload(args.num_prompts)
+    plain = workload.sampling_params()
+    constraint = StructuredOutputsParams(json=ENDLESS_SCHEMA)
+    constrained = [dataclasses.replace(p, structured_outputs=constraint, ignore_eos=False) for p in plain]
+    warm = [SamplingParams(max_tokens=16, structured_outputs=constraint)] * 2
+    llm.generate(workload.prompts[:2], warm, use_tqdm=False)
+
+    seconds: dict[str, list[float]] = defaultdict(list)
+    num_steps: dict[str, int] = {}
+    grammar_stats = PipelineStats()
+    for _ in range(args.rounds):
+        for name, params in (("plain", plain), ("grammar", constrained)):
+            steps.clear()
+            if name == "grammar":
+                runner._grammar_pipeline.stats = PipelineStats()
+            start = time.perf_counter()
+            outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+            seconds[name].append(time.perf_counter() - start)
+            num_steps[name] = steps["steps"]
+            assert sum(len(o.outputs[0].token_ids) for o in outputs) == workload.num_output_tokens, name
+            if name == "grammar":
+                assert all(o.outputs[0].text.startswith("[{") for o in outputs)
+                grammar_stats = runner._grammar_pipeline.stats
+    best = {name: min(values) for name, values in seconds.items()}
+    stats = grammar_stats
+    return {
+        "output_tokens": workload.num_output_tokens,
+        "seconds": dict(seconds),
+        "overhead": best["grammar"] / best["plain"] - 1,
+        "steps": num_steps,
+        "ms_per_step": {name: 1000 * best[name] / num_steps[name] for name in best},
+        "constrained_steps": stats.steps,
+        "mean_rows_per_step": stats.rows / max(stats.steps, 1),
+        "max_rows_per_step": stats.max_rows,
+        "prefilled_share": stats.prefilled_rows / max(stats.rows, 1),
+        "deferred_share": stats.deferred / max(stats.steps, 1),
+        "host_ms_per_step": stats.per_step_ms(),
+    }
+
+
+def host_only(args: argparse.Namespace) -> dict:
+    """The masks' cost at `args.batch` rows: the schema's states stepped over tokens drawn from
+    their own masks; per step the batch advance and fill (the pipeline thread's work)."""
+    from transformers import AutoTokenizer
+
+    from pagoda.sample.logits_processing import apply_token_bitmask
+    from pagoda.sample.metadata import TokenBitmask
+    from pagoda.structured_output.backend import GrammarBackend
+    from pagoda.structured_output.spec import GrammarSpec
+    from pagoda.structured_output.state import GrammarBatch, GrammarState, allocate_bitmask
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    vocab_size = args.vocab_size or len(tokenizer)
+    backend = GrammarBackend(tokenizer, vocab_size, [tokenizer.eos_token_id])
+    compiled = backend.compile(GrammarSpec("json", json.dumps(ENDLESS_SCHEMA)))
+    states = [GrammarState(compiled) for _ in range(args.batch)]
+    batch = GrammarBatch()
+    bitmask = allocate_bitmask(args.batch, vocab_size, pin_memory=False)
+    rng = np.random.default_rng(0)
+    advance, fill = [], []
+    for step in range(args.host_steps):
         start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            totals[name] += time.perf_counter() - start
-
-    setattr(owner, name, wrapper)
+        batch.fill_bitmask(states, bitmask)
+        fill.append(time.perf_counter() - start)
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        tokens = [int(rng.choice(np.flatnonzero(row))) for row in bits]
+        start = time.perf_counter()
+        batch.accept(states, tokens)
+        advance.append(time.perf_counter() - start)
+        assert not any(state.failed for state in states), step
+    result = {
+        "batch": args.batch,
+        "vocab_size": vocab_size,
+        "threads": len(batch._batches),
+        "steps": args.host_steps,
+        "mean_output_tokens": float(np.mean([len(state.accepted) for state in states])),
+        # The first steps fill from the schema's start, which every state shares: left out.
+        "advance_ms": 1000 * float(np.median(advance[5:])),
+        "fill_ms": 1000 * float(np.median(fill[5:])),
+    }
+    if torch.cuda.is_available():
+        logits = torch.randn(args.batch, vocab_size, device="cuda", dtype=torch.bfloat16)
+        mask = TokenBitmask(torch.arange(args.batch, device="cuda"), bitmask.cuda())
+        host = bitmask.pin_memory()
+        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for name, work in (
+            ("mask_kernel_ms", lambda: apply_token_bitmask(logits, mask)),
+            ("mask_copy_ms", lambda: mask.words.copy_(host, non_blocking=True)),
+        ):
+            work()
+            start_event.record()
+            for _ in range(20):
+                work()
+            end_event.record()
+            torch.cuda.synchronize()
+            result[name] = start_event.elapsed_time(end_event) / 20
+    return result
 
 
 def main() -> None:
@@ -50,62 +175,17 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--load-format", default="dummy", help="e.g. auto: a small real checkpoint (a CPU smoke run)")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of each run")
+    parser.add_argument("--host-only", action="store_true", help="the masks' cost at --batch rows, no model")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--host-steps", type=int, default=60)
+    parser.add_argument("--vocab-size", type=int, default=151_936, help="--host-only: the model's vocabulary")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
-
-    totals: dict[str, float] = defaultdict(float)
-    steps = defaultdict(int)
-    for name in ("accept", "fill_bitmask"):
-        _timed(GrammarBatch, name, totals)
-    fill_steps = GPUModelRunner._fill_grammar_bitmask
-
-    def counting_fill(self, inputs):
-        start = time.perf_counter()
-        fill_steps(self, inputs)
-        if inputs.sampling_metadata is not None and inputs.sampling_metadata.grammar_bitmask is not None:
-            steps["constrained"] += 1
-            rows = int(inputs.sampling_metadata.grammar_bitmask.rows.numel())
-            steps["rows"] += rows
-            steps["max_rows"] = max(steps["max_rows"], rows)
-            totals["step_fill_wall"] += time.perf_counter() - start
-
-    GPUModelRunner._fill_grammar_bitmask = counting_fill
-
-    llm = LLM(model=args.model, load_format="dummy", tokenizer=args.tokenizer, device=args.device, dtype="bfloat16")
-    workload = nanobench_workload(args.num_prompts)
-    plain = workload.sampling_params()
-    constraint = StructuredOutputsParams(grammar=ENDLESS_LIST)
-    # No ignore_eos under a grammar (refused: a grammar ends with eos); this one never allows eos.
-    constrained = [dataclasses.replace(p, structured_outputs=constraint, ignore_eos=False) for p in plain]
-    warm = [SamplingParams(max_tokens=16, structured_outputs=constraint)] * 2
-    llm.generate(workload.prompts[:2], warm, use_tqdm=False)
-
-    seconds: dict[str, list[float]] = defaultdict(list)
-    for _ in range(args.rounds):
-        for name, params in (("plain", plain), ("grammar", constrained)):
-            for key in totals:
-                totals[key] = 0.0
-            steps.clear()
-            start = time.perf_counter()
-            outputs = llm.generate(workload.prompts, params, use_tqdm=False)
-            seconds[name].append(time.perf_counter() - start)
-            assert sum(len(o.outputs[0].token_ids) for o in outputs) == workload.num_output_tokens, name
-            if name == "grammar":
-                assert all(o.outputs[0].text.startswith("[{") for o in outputs)
-                grammar_totals = dict(totals)
-                grammar_steps = dict(steps)
-    best = {name: min(values) for name, values in seconds.items()}
-    result = {
-        "output_tokens": workload.num_output_tokens,
-        "seconds": seconds,
-        "overhead": best["grammar"] / best["plain"] - 1,
-        "constrained_steps": grammar_steps["constrained"],
-        "mean_rows_per_step": grammar_steps["rows"] / grammar_steps["constrained"],
-        "max_rows_per_step": grammar_steps["max_rows"],
-        "host_ms_per_step": {k: 1000 * v / grammar_steps["constrained"] for k, v in grammar_totals.items()},
-    }
+    result = host_only(args) if args.host_only else end_to_end(args)
     print(json.dumps(result, indent=1))
     if args.result_json:
         with open(args.result_json, "w") as file:
