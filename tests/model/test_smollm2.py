@@ -175,13 +175,14 @@ def run_until_idle(engine) -> None:
 
 
 @pytest.mark.parametrize("state", ["waiting", "mid-prefill", "decoding", "preempted"])
-def test_abort_in_every_state_frees_everything(state: str) -> None:
+def test_abort_in_every_state_frees_everything(tiny_checkpoint: str, state: str) -> None:
+    """The engine's bookkeeping, so on the tiny random model with SmolLM2's tokenizer."""
     kwargs = {"max_num_seqs": 1} if state == "waiting" else {}
     if state == "mid-prefill":
         kwargs = {"max_num_batched_tokens": 8}
     if state == "preempted":
         kwargs = {"num_gpu_blocks": 12, "block_size": 16}
-    llm = LLM(dtype="float32", device="cpu", max_model_len=512, **kwargs)
+    llm = LLM(tiny_checkpoint, dtype="float32", device="cpu", max_model_len=512, **kwargs)
     engine = llm.llm_engine
     scheduler = engine.engine_core.scheduler
     # Preempting takes answers long enough to outgrow the 12 blocks; the other states, two tokens.
