@@ -29,6 +29,7 @@ from pagoda.attention.backends import AttentionLimits
 from pagoda.attention.backends.triton import TritonAttentionImpl, TritonMetadataBuilder
 from pagoda.attention.cascade import CascadeBuffers, plan_cascade
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.attention.ops import triton_cascade_attention
 from pagoda.kv_cache_interface import FullAttentionSpec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -105,9 +106,16 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--max-model-len", type=int, default=40960)
     parser.add_argument("--max-kv-gib", type=float, default=40.0, help="skip shapes whose KV exceeds this")
+    parser.add_argument(
+        "--prefix-programs-per-sm",
+        type=int,
+        default=triton_cascade_attention.PREFIX_PROGRAMS_PER_SM,
+        help="the prefix pass's split target (PREFIX_PROGRAMS_PER_SM)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs CUDA")
+    triton_cascade_attention.PREFIX_PROGRAMS_PER_SM = args.prefix_programs_per_sm
 
     dtype = DTYPES[args.dtype]
     spec = FullAttentionSpec(args.block_size, args.num_kv_heads, args.head_size, dtype)
@@ -116,7 +124,10 @@ def main() -> None:
     impl = TritonAttentionImpl(args.num_heads, args.head_size, args.num_kv_heads, args.head_size**-0.5)
     buffers = CascadeBuffers(max(args.batch), torch.device("cuda"), pin_memory=True)
     print(f"{torch.cuda.get_device_name()}: {args.num_heads} q / {args.num_kv_heads} kv heads x {args.head_size}")
-    print(f"{args.dtype}, block size {args.block_size}, own keys per request {args.suffix}; us per layer")
+    print(
+        f"{args.dtype}, block size {args.block_size}, own keys per request {args.suffix}, prefix pass "
+        f"{args.prefix_programs_per_sm} programs per SM; us per layer"
+    )
     print(
         f"{'batch':>6} {'groups':>6} {'prefix':>7} {'P x members':>11} {'plain us':>9} {'cascade us':>10} {'speedup':>8}"
     )

@@ -37,6 +37,10 @@ from pagoda.attention.ops.triton_unified_attention import (
 # Prefix tiles hold many requests' queries (x their GQA heads): each prefix tile of keys loaded
 # serves them all.
 PREFIX_TILES = TileConfig(min_rows=64, tile_n=64, num_warps=4, num_stages=2)
+# Prefix-pass programs per SM that the split count aims for: fewer than the suffix's, since each
+# split writes float32 partial outputs of every query row the merge reads back (calibrate with
+# benchmarks/cascade_attention.py --prefix-programs-per-sm).
+PREFIX_PROGRAMS_PER_SM = 2
 
 
 def prefix_tile_rows(group: int) -> tuple[int, int]:
@@ -49,7 +53,8 @@ def choose_prefix_splits(num_tokens: int, num_heads: int, num_kv_heads: int, max
     """Splits of the prefix pass for a step of `num_tokens` (padded) tokens: from static sizes
     only, as the suffix's (`choose_num_kv_splits`), counting prefix tiles instead of rows."""
     _, block_q = prefix_tile_rows(num_heads // num_kv_heads)
-    return choose_num_kv_splits(triton.cdiv(num_tokens, block_q), num_kv_heads, max_keys, num_sms)
+    tiles = triton.cdiv(num_tokens, block_q)
+    return choose_num_kv_splits(tiles, num_kv_heads, max_keys, num_sms, PREFIX_PROGRAMS_PER_SM)
 
 
 @triton.jit

@@ -294,14 +294,16 @@ class SplitKWorkspace:
         )
 
 
-def choose_num_kv_splits(num_rows: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
+def choose_num_kv_splits(
+    num_rows: int, num_kv_heads: int, max_model_len: int, num_sms: int, programs_per_sm: int = PROGRAMS_PER_SM
+) -> int:
     """Splits per query row for a decode launch of `num_rows` rows (a power of two, 1 = no split).
 
     Depends only on sizes fixed per captured batch size, never on this step's lengths: the most
-    splits that keep the launch within PROGRAMS_PER_SM programs per SM, but no part of a
+    splits that keep the launch within `programs_per_sm` programs per SM, but no part of a
     max_model_len sequence shorter than MIN_KEYS_PER_SPLIT keys.
     """
-    wanted = PROGRAMS_PER_SM * num_sms // (num_rows * num_kv_heads)
+    wanted = programs_per_sm * num_sms // (num_rows * num_kv_heads)
     useful = max_model_len // MIN_KEYS_PER_SPLIT
     splits = max(1, min(wanted, useful, MAX_KV_SPLITS))
     return 1 << (splits.bit_length() - 1)
