@@ -12,10 +12,20 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagoda.entrypoints.llm import LLM
-    from pagoda.outputs import CompletionOutput, RequestOutput
+    from pagoda.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+    from pagoda.pooling_params import PoolingParams
     from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+    "ScoringRequestOutput",
+    "StructuredOutputsParams",
+]
 __version__ = "0.1.0"
 
 # Where each public name lives.
@@ -23,6 +33,9 @@ _MODULES = {
     "LLM": "pagoda.entrypoints.llm",
     "CompletionOutput": "pagoda.outputs",
     "RequestOutput": "pagoda.outputs",
+    "EmbeddingRequestOutput": "pagoda.outputs",
+    "ScoringRequestOutput": "pagoda.outputs",
+    "PoolingParams": "pagoda.pooling_params",
     "SamplingParams": "pagoda.sampling_params",
     "StructuredOutputsParams": "pagoda.sampling_params",
 }

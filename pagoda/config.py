@@ -24,6 +24,31 @@ class ConfigError(ValueError):
 # -inf), as log probabilities or as the logits themselves. The sampler implements each mode.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
+# What the engine serves: "generate" samples tokens; "embed" pools hidden states (no sampler);
+# "auto" picks from the architecture (encoders such as BertModel embed, decoders generate).
+TASKS = ("auto", "generate", "embed")
+# How a pooling model turns a prompt's hidden states into one vector (see pagoda/pooling/pooler.py).
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# HF model types of encoder-only models: they embed, and keep no KV cache.
+ENCODER_MODEL_TYPES = ("bert",)
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How an embedding model pools: `pooling_type` (LAST, MEAN or CLS) and whether the vector is
+    L2-normalized. None: the model's own (its sentence-transformers files, else its family's)."""
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ConfigError(
+                f"pooler_config.pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}"
+            )
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ConfigError(f"pooler_config.normalize must be true or false, got {self.normalize!r}")
+
 
 @dataclass
 class DeviceConfig:
@@ -66,6 +91,10 @@ class ModelConfig:
     # general.sampling.* metadata), "vllm" (none: SamplingParams' neutral defaults), or a folder
     # holding a generation_config.json.
     generation_config: str = "auto"
+    # "generate", "embed" or "auto" (see TASKS); resolved against the architecture.
+    task: str = "auto"
+    # An embedding model's pooling; resolved (both fields set) for task "embed", else None.
+    pooler_config: PoolerConfig | None = None
     hf_config: Any = field(default=None, repr=False)
     # Derived from generation_config: SamplingParams fields the model recommends (e.g. temperature),
     # applied wherever a user leaves the field unset.
@@ -74,6 +103,27 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if self.task not in TASKS:
+            raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+
+    @property
+    def is_embedding_model(self) -> bool:
+        """Runs the forward without a sampler and returns pooled hidden states."""
+        return self.task == "embed"
+
+    @property
+    def is_encoder_only(self) -> bool:
+        """Bidirectional attention over the whole prompt, no KV cache kept (BERT)."""
+        return getattr(self.hf_config, "model_type", None) in ENCODER_MODEL_TYPES
+
+    @property
+    def pooling_needs_whole_prompt(self) -> bool:
+        """Every prompt token's hidden state in one step: mean and CLS pooling, and encoders (their
+        attention sees the whole prompt). Last-token pooling of a decoder may chunk and hit the cache."""
+        if not self.is_embedding_model:
+            return False
+        assert self.pooler_config is not None
+        return self.is_encoder_only or self.pooler_config.pooling_type != "LAST"
 
     @property
     def num_layers(self) -> int:

@@ -82,6 +82,20 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class EncoderOnlyAttentionSpec(AttentionSpec):
+    """Bidirectional attention over a request's own tokens, all computed in one step (BERT):
+    nothing is kept between steps, so the layer holds no pages and a request no blocks. Its
+    group still gets the step's metadata (which tokens are whose)."""
+
+    @property
+    def page_size_bytes(self) -> int:
+        return 0
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
 class KVCacheGroupSpec:
     """Layers that share a spec, and so a block table."""
 
@@ -122,6 +136,9 @@ class KVCacheConfig:
         lines = []
         for gid, group in enumerate(self.kv_cache_groups):
             spec = group.kv_cache_spec
+            if not spec.page_size_bytes:
+                lines.append(f"group {gid}: {type(spec).__name__}, {len(group.layer_names)} layers, no KV cache kept")
+                continue
             window = f", window {spec.sliding_window}" if isinstance(spec, SlidingWindowSpec) else ""
             lines.append(
                 f"group {gid}: {type(spec).__name__}{window}, block size {spec.block_size}, "
@@ -175,16 +192,24 @@ def get_kv_cache_config(
     `num_blocks` blocks when given. Block 0 of the pool is the null block."""
     if not specs:
         raise ValueError("the model declares no KV cache layer")
-    specs = unify_page_sizes(specs)
+    paged = {name: spec for name, spec in specs.items() if spec.page_size_bytes}
+    if not paged:  # encoder-only: groups for the metadata, no buffer; the pool's one block is never taken
+        return KVCacheConfig(num_blocks=2, kv_cache_tensors=(), kv_cache_groups=tuple(group_layers(specs)))
+    paged = unify_page_sizes(paged)
+    specs = {**specs, **paged}
     groups = group_layers(specs)
-    page_size = next(iter(specs.values())).page_size_bytes
-    num_tensors = max(len(group.layer_names) for group in groups)
+    page_size = next(iter(paged.values())).page_size_bytes
+    num_tensors = max(len(group.layer_names) for group in groups if group.kv_cache_spec.page_size_bytes)
     if num_blocks is None:
         num_blocks = available_bytes // (page_size * num_tensors)
     tensors = tuple(
         KVCacheTensor(
             size_bytes=page_size * num_blocks,
-            shared_by=tuple(group.layer_names[i] for group in groups if i < len(group.layer_names)),
+            shared_by=tuple(
+                group.layer_names[i]
+                for group in groups
+                if i < len(group.layer_names) and group.kv_cache_spec.page_size_bytes
+            ),
         )
         for i in range(num_tensors)
     )

@@ -141,6 +141,8 @@ class ModelRunnerOutput:
     logprobs: LogprobsArrays | None = None
     logprobs_start: list[int] | None = None
     prompt_logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
+    # Pooling models: the vector of each request whose prompt completed this step (no tokens).
+    pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
 
     def token_logprobs(self, index: int, num_tokens: int, num_top: int) -> LogprobsArrays | None:
         """The logprobs of batch row `index`'s first `num_tokens` tokens, with `num_top` top columns."""
@@ -176,6 +178,8 @@ class EngineCoreOutput:
     # The whole prompt's logprobs (one row per prompt token after the first), in the output
     # that carries the request's first token; None unless it asked for prompt_logprobs.
     new_prompt_logprobs: LogprobsArrays | None = None
+    # A pooling request's vector (float32), in its one and final output.
+    pooling_output: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
@@ -210,3 +214,45 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # A pooling request's vector (its `outputs` then hold no tokens); see EmbeddingRequestOutput.
+    pooling_output: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(frozen=True)
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result, shaped like vLLM's: `.outputs.embedding` is the vector."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_request_output(cls, output: RequestOutput) -> EmbeddingRequestOutput:
+        assert output.pooling_output is not None, f"request {output.request_id!r} has no pooled vector"
+        return cls(output.request_id, EmbeddingOutput(output.pooling_output.tolist()), output.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(frozen=True)
+class ScoringRequestOutput:
+    """`LLM.score`'s result for one pair, shaped like vLLM's: `.outputs.score`; the prompt token
+    ids are both texts' (first, then second)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -26,6 +26,7 @@ from pagoda.config import (
     SpeculativeConfig,
 )
 from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
+from pagoda.pooling.config import resolve_pooler_config, resolve_task
 
 _DTYPES = {
     "float32": torch.float32,
@@ -52,6 +53,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
     derived = {
         ("model_config", "hf_config"),
         ("model_config", "default_sampling"),
+        ("model_config", "pooler_config"),
         ("scheduler_config", "max_model_len"),
     }
     owners = {
@@ -61,6 +63,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         if (name, f.name) not in derived
     }
     speculative = kwargs.pop("speculative_config", None)
+    pooler = kwargs.pop("pooler_config", None)
     for key, value in kwargs.items():
         if key not in owners:
             raise ConfigError(f"unknown engine argument {key!r}")
@@ -76,6 +79,11 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         model_config.model, model_config.load_format, model_config.generation_config
     )
     model_config.dtype = _resolve_dtype(model_config.dtype, device_config)
+    model_config.task = resolve_task(model_config.task, model_config.hf_config)
+    if model_config.is_embedding_model:
+        model_config.pooler_config = resolve_pooler_config(model_config.model, model_config.hf_config, pooler)
+    elif pooler is not None:
+        raise ConfigError("pooler_config is for embedding models: pass task='embed'")
 
     limit = model_config.derived_max_model_len
     if model_config.max_model_len is None:
@@ -116,6 +124,12 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
             f"the {local_gpus} visible CUDA devices with distributed_executor_backend 'mp'"
         )
     speculative_config = _resolve_speculative(speculative, model_config, scheduler_config, parallel_config)
+    if model_config.is_embedding_model and speculative_config is not None:
+        raise ConfigError("speculative_config is for generation; an embedding model (task 'embed') samples nothing")
+    if model_config.is_encoder_only and parallel_config.world_size > 1:
+        raise ConfigError(
+            "encoder-only models (BERT) run on one rank: tensor_parallel_size and pipeline_parallel_size must be 1"
+        )
     return EngineConfig(
         model_config=model_config,
         cache_config=CacheConfig(**split["cache_config"]),

@@ -53,6 +53,7 @@ class EngineCore:
             kv_cache_configs[0],
             pipeline_parallel=pp_size > 1,
             speculative_config=config.speculative_config,
+            whole_prompt_pooling=config.model_config.pooling_needs_whole_prompt,
         )
         # One batch per pipeline stage in flight, so that no stage waits for another.
         self.batch_queue_size = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -28,6 +29,9 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.time)
     # Keys the request's prefix-cache blocks: only requests with the same salt share them.
     cache_salt: str | None = None
+    # Set for a pooling request (an embedding): it ends with its vector once its prompt is computed,
+    # and `sampling_params` is then POOLING_SAMPLING_PARAMS.
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         # Plain immutable containers, whatever sequence the caller passed.

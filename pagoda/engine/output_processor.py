@@ -18,6 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from pagoda.engine.core_request import EngineCoreRequest
@@ -68,6 +69,8 @@ class RequestState:
     index: int = 0
     # Why its processing failed (finish reason "error").
     error: str | None = None
+    # A pooling request's vector, once the core sent it.
+    pooling_output: np.ndarray | None = None
 
     def to_completion(self, finish_reason: FinishReason | None, stop_reason: int | str | None) -> CompletionOutput:
         return CompletionOutput(
@@ -89,6 +92,7 @@ class RequestState:
             finished=finish_reason is not None,
             prompt_logprobs=self.prompt_logprobs,
             metrics=request_metrics(self.arrival_time, self.first_token_time),
+            pooling_output=self.pooling_output,
         )
 
 
@@ -214,6 +218,8 @@ class OutputProcessor:
         finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
         if core_output.error is not None:  # the core refused it (e.g. its KV pool is too small for it)
             state.error = core_output.error
+        if core_output.pooling_output is not None:
+            state.pooling_output = core_output.pooling_output
         if state.detokenizer is not None and core_output.new_token_ids:
             stop = self._add_text(state, state.detokenizer, core_output.new_token_ids)
             if stop is not None:

@@ -14,6 +14,8 @@ from transformers import PreTrainedTokenizerBase
 from pagoda.config import EngineConfig
 from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.errors import InvalidRequestError
+from pagoda.pooling import processing as pooling
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.spec import GrammarSpec
 
@@ -24,16 +26,21 @@ class Processor:
     def __init__(
         self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: set[int]
     ) -> None:
+        self.model_config = config.model_config
         self.max_model_len = config.model_config.max_model_len
         self.vocab_size = config.model_config.vocab_size
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         """Text to token ids, special-token text (`<|im_start|>`, ...) kept as plain text so a
-        prompt can never forge control tokens; send token ids to use them."""
+        prompt can never forge control tokens; send token ids to use them. With `max_length`
+        the tokenizer truncates (on its truncation side, keeping its special tokens)."""
         assert self.tokenizer is not None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True)
+        truncation = {"truncation": True, "max_length": max_length} if max_length is not None else {}
+        return self.tokenizer.encode(
+            text, add_special_tokens=add_special_tokens, split_special_tokens=True, **truncation
+        )
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -45,10 +52,17 @@ class Processor:
         raise InvalidRequestError("prompt", "prompt must be a string or a list of token ids")
 
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        cache_salt: str | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """The checked request for the core, and the prompt's text (None when it came as token
         ids or was truncated)."""
+        pooling.check_task(self.model_config, params)
+        if isinstance(params, PoolingParams):
+            return self._process_pooling(request_id, prompt, params, cache_salt)
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         self._check_token_ids("prompt", prompt_token_ids)
         if not prompt_token_ids:
@@ -96,9 +110,41 @@ class Processor:
         )
         return request, prompt_text
 
+    def _process_pooling(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, cache_salt: str | None
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """An embedding request: the prompt may fill max_model_len; text is truncated by the
+        tokenizer (special tokens kept), token ids on the tokenizer's truncation side."""
+        limit = pooling.truncation_limit(params, self.max_model_len)
+        if isinstance(prompt, str) and limit is not None and self.tokenizer is not None:
+            prompt_text, prompt_token_ids = None, self.encode(prompt, max_length=limit)
+        else:
+            prompt_text, prompt_token_ids = self.tokenize(prompt)
+            if limit is not None and len(prompt_token_ids) > limit:
+                side = getattr(self.tokenizer, "truncation_side", "right")
+                prompt_text, prompt_token_ids = None, pooling.truncate(prompt_token_ids, limit, side)
+        self._check_token_ids("prompt", prompt_token_ids)
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "prompt must not be empty")
+        pooling.check_length(len(prompt_token_ids), self.max_model_len)
+        pooling.check_dimensions(params, self.model_config)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt_token_ids),
+            sampling_params=pooling.POOLING_SAMPLING_PARAMS,
+            eos_token_ids=frozenset(),
+            arrival_time=time.time(),
+            cache_salt=cache_salt,
+            pooling_params=params,
+        )
+        return request, prompt_text
+
     def check_fits_context(self, request: EngineCoreRequest) -> None:
         """Refuse a max_tokens or min_tokens that cannot fit after the prompt (a server's
-        contract; offline generation instead stops at max_model_len with finish reason "length")."""
+        contract; offline generation instead stops at max_model_len with finish reason "length").
+        A pooling request generates nothing: its prompt was checked against max_model_len."""
+        if request.pooling_params is not None:
+            return
         params = request.sampling_params
         num_prompt_tokens = len(request.prompt_token_ids)
         room = self.max_model_len - num_prompt_tokens

@@ -49,6 +49,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "neutral defaults) or a folder with a generation_config.json (default: auto)",
     )
     model.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    model.add_argument(
+        "--task",
+        default="auto",
+        choices=["auto", "generate", "embed"],
+        help="generate tokens, or embed (pool hidden states; /v1/embeddings); auto: encoders such as BERT embed",
+    )
+    model.add_argument(
+        "--pooler-config",
+        default=None,
+        metavar="JSON",
+        help='an embedding model\'s pooling, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' (default: the model\'s)',
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", default="auto", help="auto, cpu or cuda")
     engine.add_argument("--max-num-seqs", type=int, default=None, help="requests in one batch (default: 256)")
@@ -89,6 +101,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_prefix_caching,
         "disable_cascade_attn": args.disable_cascade_attn,
         "generation_config": args.generation_config,
+        "task": args.task,
     }
     for name in (
         "tokenizer",
@@ -100,6 +113,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "pipeline_parallel_size",
         "distributed_executor_backend",
         "speculative_config",
+        "pooler_config",
     ):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)

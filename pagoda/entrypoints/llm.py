@@ -16,7 +16,14 @@ from pagoda.engine.chat import Conversation, render_chat
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
 from pagoda.errors import InvalidRequestError
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import (
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagoda.pooling.score import cosine_similarity, score_pairs
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -106,6 +113,42 @@ class LLM:
         prompts = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (an embedding model: task "embed"), in the order of the prompts:
+        `.outputs.embedding` is a list of floats. `pooling_params` set `dimensions` and `normalize`."""
+        prompt_list = _as_prompt_list(prompts)
+        params = pooling_params or PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        request_ids = self._add_all(prompt_list, _as_params_list(params, len(prompt_list)))
+        return [EmbeddingRequestOutput.from_request_output(o) for o in self._run_engine(request_ids, use_tqdm)]
+
+    def score(
+        self,
+        text_1: PromptType | Sequence[PromptType],
+        text_2: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The cosine similarity of each pair's embeddings: one `text_1` against every `text_2`, or
+        two lists of equal length pairwise (vLLM's pairing); `.outputs.score` per pair."""
+        pairs = score_pairs(text_1, text_2, ("text_1", "text_2"))
+        embedded = self.embed(
+            [item for pair in pairs for item in pair], use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens
+        )
+        return [
+            ScoringRequestOutput(
+                request_id=f"{first.request_id}-{second.request_id}",
+                outputs=ScoringOutput(cosine_similarity(first.outputs.embedding, second.outputs.embedding)),
+                prompt_token_ids=first.prompt_token_ids + second.prompt_token_ids,
+            )
+            for first, second in zip(embedded[::2], embedded[1::2], strict=True)
+        ]
+
     def render_chat(
         self, messages: Conversation, add_generation_prompt: bool = True, chat_template: str | None = None
     ) -> list[int]:
@@ -130,7 +173,10 @@ class LLM:
                     engine.step()
 
     def _add_all(
-        self, prompts: list[PromptType], params: list[SamplingParams], cache_salt: str | None = None
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams] | list[PoolingParams],
+        cache_salt: str | None = None,
     ) -> list[str]:
         """Validate every request first, so a bad one rejects the batch before any runs."""
         engine = self.llm_engine
@@ -163,8 +209,10 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     return prompts
 
 
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
+def _as_params_list(
+    params: SamplingParams | PoolingParams | Sequence[SamplingParams | PoolingParams], n: int
+) -> list[SamplingParams | PoolingParams]:
+    if isinstance(params, (SamplingParams, PoolingParams)):
         return [params] * n
     params = list(params)
     if len(params) != n:

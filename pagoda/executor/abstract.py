@@ -74,7 +74,7 @@ class Executor(ABC):
                 f"({[len(config.kv_cache_groups) for config in configs]} groups per rank): "
                 "choose another pipeline_parallel_size"
             )
-        if sized_from_memory:
+        if sized_from_memory and configs[0].kv_cache_tensors:  # an encoder keeps no KV cache
             self._check_kv_cache_fits(configs[0])
         for line in configs[0].describe():
             logger.info("KV cache %s", line)

@@ -22,6 +22,7 @@ _MODEL_CLASSES: dict[str, str] = {
     "MixtralForCausalLM": "pagoda.model.models.mixtral:MixtralForCausalLM",
     "Gemma2ForCausalLM": "pagoda.model.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "pagoda.model.models.gemma:Gemma3ForCausalLM",
+    "BertModel": "pagoda.model.models.bert:BertModel",
 }
 
 # For configs that name no architecture (saved from a bare config object): HF model_type -> name.
@@ -34,6 +35,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "bert": "BertModel",
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 # Block ids per KV-cache group; one group for now.
@@ -21,6 +22,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: BlockIds
     num_computed_tokens: int
+    # A pooling request's settings (its sampling_params are then a placeholder that samples nothing).
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from pagoda.outputs import RequestStatus
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class Request:
         eos_token_ids: set[int],
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -43,6 +45,8 @@ class Request:
         self.eos_token_ids = set(eos_token_ids)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        # A pooling request finishes with its vector in the step that completes its prompt.
+        self.pooling_params = pooling_params
         # None: generate until max_model_len.
         self.max_tokens = sampling_params.max_tokens
 
@@ -71,6 +75,7 @@ class Request:
             eos_token_ids=set(request.eos_token_ids),
             arrival_time=request.arrival_time,
             cache_salt=request.cache_salt,
+            pooling_params=request.pooling_params,
         )
 
     @property

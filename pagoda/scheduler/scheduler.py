@@ -210,7 +210,11 @@ class Scheduler:
 
         # After a preemption the pool is full: admitting more would only thrash. Requests whose
         # grammar still compiles are passed over (they keep their place), the others go in order.
+        # So is a request whose next prompt block another request admitted now computes (a shared
+        # system prompt): next step it hits that block instead of computing a copy, so the
+        # requests share their prefix blocks and their decode attention reads them once (cascade).
         position = 0
+        filling: set[bytes] = set()
         while (
             not preempted_req_ids
             and position < len(self.waiting)
@@ -227,6 +231,11 @@ class Scheduler:
             needs_whole_prompt = request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens
             hit_blocks, num_hit_tokens = ([], 0) if needs_whole_prompt else kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
+            first_block = num_hit_tokens // kv.hash_block_size
+            hashes = request.block_hashes
+            if not needs_whole_prompt and first_block < len(hashes) and hashes[first_block] in filling:
+                position += 1
+                continue
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break
@@ -255,6 +264,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             scheduled.append(request)
             budget -= num_new
+            filling.update(hashes[first_block : (num_hit_tokens + num_new) // kv.hash_block_size])
 
         for request in scheduled:
             request.num_computed_tokens += num_scheduled[request.request_id]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from pagoda.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagoda.kv_cache_interface import EncoderOnlyAttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagoda.scheduler.block_pool import BlockHash, BlockPool, KVCacheBlock
 
 
@@ -175,9 +175,24 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return hits[:run]
 
 
+class EncoderOnlyManager(SingleTypeKVCacheManager):
+    """Encoder layers keep nothing between steps: no blocks, no cache hits (see EncoderOnlyAttentionSpec)."""
+
+    def num_blocks_to_allocate(self, req_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]) -> int:
+        return 0
+
+    def allocate_new_blocks(self, req_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        return []
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        return []
+
+
 def make_manager(
     spec: KVCacheSpec, block_pool: BlockPool, group_id: int, hash_block_size: int, enable_caching: bool
 ) -> SingleTypeKVCacheManager:
+    if isinstance(spec, EncoderOnlyAttentionSpec):
+        return EncoderOnlyManager(spec, block_pool, group_id, hash_block_size, enable_caching)
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager(spec, block_pool, group_id, hash_block_size, enable_caching)
     if isinstance(spec, FullAttentionSpec):

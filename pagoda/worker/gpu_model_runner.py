@@ -32,6 +32,7 @@ from pagoda.kv_cache_interface import (
     get_kv_cache_config,
 )
 from pagoda.outputs import IntermediateTensors, LogprobsArrays, ModelRunnerOutput
+from pagoda.pooling.runner import make_pooler, pooling_output
 from pagoda.sample.logprobs import LogprobsTensors
 from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sample.sampler import Sampler
@@ -158,6 +159,8 @@ class GPUModelRunner:
 
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(self.model_config.logprobs_mode)
+        # Pooling models (task "embed") pool hidden states instead of sampling (see pagoda/pooling).
+        self.pooler = make_pooler(self.model_config)
         self.kv_connector = KVConnector()
         self.attn_backend = get_attention_backend(config.device_config.attention_backend)
         self.model: torch.nn.Module | None = None
@@ -228,6 +231,8 @@ class GPUModelRunner:
         compilation = self.config.compilation_config
         if self.device.type != "cuda" or compilation.enforce_eager or graph_support < CUDAGraphSupport.ALWAYS:
             return None
+        if self.pooler is not None:
+            return None  # pooling steps are prefills, and encoder attention reads host offsets
         limit = min(compilation.max_cudagraph_capture_size, self.max_num_tokens)
         sizes = [size for size in compilation.cudagraph_capture_sizes or default_capture_sizes(limit) if size <= limit]
         if not sizes:
@@ -449,7 +454,7 @@ class GPUModelRunner:
         execution = BatchExecution(CUDAGraphMode.NONE, None, num_tokens, num_reqs)
         with self._dummy_batch(query_lens, execution) as inputs:
             hidden = self._model_forward(inputs, self.intermediate_tensors(num_tokens))
-            if self.is_last_stage:
+            if self.is_last_stage and self.pooler is None:
                 self._sample(hidden, inputs)
             del hidden
 
@@ -490,6 +495,7 @@ class GPUModelRunner:
                 num_computed_tokens=new_req.num_computed_tokens,
                 prompt_logprobs=prompt_logprobs,
                 grammar=self._new_grammar(params),
+                pooling_params=new_req.pooling_params,
             )
             self.requests[new_req.req_id] = state
             if state.grammar is not None:
@@ -649,7 +655,9 @@ class GPUModelRunner:
             num_drafts=num_drafts,
             logits_start=logits_start,
             sampling_metadata=(
-                self._sampling_metadata(sample_rows, num_drafts, logits_start) if self.is_last_stage else None
+                self._sampling_metadata(sample_rows, num_drafts, logits_start)
+                if self.is_last_stage and self.pooler is None
+                else None
             ),
             draft_token_ids=draft_token_ids,
             logits_start_device=logits_start_device,
@@ -1072,6 +1080,16 @@ class GPUModelRunner:
         if isinstance(hidden_states, IntermediateTensors):
             return hidden_states
         self.kv_connector.post_forward(scheduler_output, hidden_states)
+        if self.pooler is not None:
+            return pooling_output(
+                self.pooler,
+                hidden_states,
+                self.input_batch,
+                self.requests,
+                self.query_start_loc.np,
+                inputs.sample_rows,
+                self.model_config.pooling_needs_whole_prompt,
+            )
         self._fill_grammar_bitmask(inputs)
         sampler_output = self._sample(hidden_states, inputs)
         output = self._bookkeeping_sync(inputs, sampler_output)

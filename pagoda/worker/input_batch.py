@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagoda.outputs import LogprobsArrays
+from pagoda.pooling_params import PoolingParams
 from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.output import BlockIds
@@ -40,6 +41,8 @@ class CachedRequestState:
     prompt_logprobs: LogprobsArrays | None = None
     # Structured output: the request's place in its grammar (kept across preemption).
     grammar: GrammarState | None = None
+    # A pooling request's settings (dimensions, normalize); None for a request that samples.
+    pooling_params: PoolingParams | None = None
 
     @property
     def num_tokens(self) -> int:

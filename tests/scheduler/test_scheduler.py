@@ -715,3 +715,20 @@ def test_random_workloads_keep_every_invariant(make_harness, seed: int, depth: i
             assert h.outputs[req_id] == expected[: len(h.outputs[req_id])]
         else:
             assert h.outputs[req_id] == expected
+
+
+def test_a_request_sharing_a_prefix_computed_this_step_waits_to_hit_it(make_harness) -> None:
+    """Shared system prompts: b's first block is one a computes in this step, so b waits a step and
+    hits a's blocks (one copy, read once per decode step by the cascade); c shares nothing and goes."""
+    h = make_harness(max_num_batched_tokens=64)
+    system = [500 + i for i in range(12)]  # 3 blocks of 4
+    h.add("a", tokens=[*system, 1, 2], max_tokens=3)
+    h.add("b", tokens=[*system, 3], max_tokens=3)
+    h.add("c", 9, max_tokens=3)
+    first = h.step()
+    assert admitted_in(first) == ["a", "c"]
+    second = h.step()
+    (new,) = second.scheduled_new_reqs
+    assert new.req_id == "b" and new.num_computed_tokens == 12
+    assert new.block_ids[0][:3] == first.scheduled_new_reqs[0].block_ids[0][:3]
+    h.run()

@@ -12,6 +12,8 @@ from pagoda.attention.backends import AttentionBackend
 from pagoda.config import ModelConfig
 from pagoda.model.loader.dummy import init_dummy_weights
 from pagoda.model.loader.safetensors_loader import iter_safetensors_weights
+from pagoda.model.models.adapters import as_embedding_model
+from pagoda.model.models.decoder import DecoderForCausalLM
 from pagoda.model.registry import get_model_class
 
 _MAX_NAMES_SHOWN = 20
@@ -63,6 +65,8 @@ def get_model(model_config: ModelConfig, attn_backend: type[AttentionBackend], d
     stream in one at a time. Raises if any parameter is left without a checkpoint tensor.
     """
     model_class = get_model_class(model_config.hf_config)
+    if model_config.is_embedding_model and issubclass(model_class, DecoderForCausalLM):
+        model_class = as_embedding_model(model_class)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_class(model_config.hf_config, attn_backend)
     load_weights_from_source(model, model_config)
