@@ -25,6 +25,11 @@ cache: only blocks below the corrected count are). Drafts never take a request p
 max_tokens or max_model_len. A request whose verify step is in flight is not scheduled again
 until its accepted count is back (where its next token goes depends on it), so under async
 scheduling a speculating request's steps do not overlap each other.
+
+Pooling requests (embeddings) are scheduled like prefills within the token budget and finish
+with their vector in the step that completes their prompt. With `whole_prompt_pooling` (mean
+or CLS pooling, encoders: see pagoda/pooling) a prompt runs whole in one step and reads no
+prefix cache; last-token pooling chunks and hits the cache like any prompt.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from collections.abc import Iterable
 
 from pagoda.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagoda.kv_cache_interface import KVCacheConfig
-from pagoda.outputs import EngineCoreOutput, ModelRunnerOutput, RequestStatus, SchedulerStats
+from pagoda.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput, RequestStatus, SchedulerStats
 from pagoda.scheduler.kv_cache_manager import KVCacheManager
 from pagoda.scheduler.output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
 from pagoda.scheduler.request import Request
@@ -53,6 +58,7 @@ class Scheduler:
         kv_cache_config: KVCacheConfig,
         pipeline_parallel: bool = False,
         speculative_config: SpeculativeConfig | None = None,
+        whole_prompt_pooling: bool = False,
     ) -> None:
         budget = scheduler_config.max_num_batched_tokens
         if budget is None:
@@ -69,6 +75,7 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.pipeline_parallel = pipeline_parallel
+        self.whole_prompt_pooling = whole_prompt_pooling
         self.kv_cache_manager = KVCacheManager(kv_cache_config, cache_config.enable_prefix_caching)
 
         self.requests: dict[str, Request] = {}
@@ -102,7 +109,9 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise ValueError("prompt_token_ids must not be empty")
-        if request.num_prompt_tokens > self.max_model_len - 1:
+        if request.pooling_params is not None:
+            self._check_pooling_fits(request)
+        elif request.num_prompt_tokens > self.max_model_len - 1:
             raise ValueError(
                 f"prompt_token_ids has {request.num_prompt_tokens} tokens; at most max_model_len - 1 = "
                 f"{self.max_model_len - 1} fit, leaving a position for the first generated token"
@@ -110,8 +119,10 @@ class Scheduler:
         max_len = self.max_model_len
         if request.max_tokens is not None:
             max_len = min(max_len, request.num_prompt_tokens + request.max_tokens)
-        # The last sampled token is never computed, so at most max_len - 1 tokens hold KV.
-        num_blocks = self.kv_cache_manager.max_blocks_per_request(max_len - 1, self.max_num_batched_tokens)
+        # The last sampled token is never computed, so at most max_len - 1 tokens hold KV (a
+        # pooling request's prompt, which may fill max_model_len, holds KV for all of it).
+        num_kv_tokens = request.num_prompt_tokens if request.pooling_params is not None else max_len - 1
+        num_blocks = self.kv_cache_manager.max_blocks_per_request(num_kv_tokens, self.max_num_batched_tokens)
         usable = self.kv_cache_manager.block_pool.num_usable_blocks
         if num_blocks > usable:
             raise ValueError(
@@ -229,7 +240,8 @@ class Scheduler:
                 break  # preempted while its last sampled token was in flight: wait for it
             # Prompt logprobs need every prompt position computed, so such a prompt reads no cache.
             needs_whole_prompt = request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens
-            hit_blocks, num_hit_tokens = ([], 0) if needs_whole_prompt else kv.get_computed_blocks(request)
+            one_pass = self.whole_prompt_pooling and request.pooling_params is not None
+            hit_blocks, num_hit_tokens = ([], 0) if needs_whole_prompt or one_pass else kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             first_block = num_hit_tokens // kv.hash_block_size
             hashes = request.block_hashes
@@ -237,7 +249,7 @@ class Scheduler:
                 position += 1
                 continue
             if num_new > budget:
-                if not self.enable_chunked_prefill:
+                if not self.enable_chunked_prefill or one_pass:
                     break
                 num_new = budget
             if kv.allocate_slots(request, num_new, hit_blocks) is None:
@@ -258,6 +270,7 @@ class Scheduler:
                         sampling_params=request.sampling_params,
                         block_ids=block_ids,
                         num_computed_tokens=num_hit_tokens,
+                        pooling_params=request.pooling_params,
                     )
                 )
             request.status = RequestStatus.RUNNING
@@ -302,6 +315,12 @@ class Scheduler:
             # fresh blocks, of which only those already scheduled may be cached.
             num_valid = computed_before[req_id] + num_scheduled - num_rejected
             kv.cache_blocks(request, min(num_valid, request.num_computed_tokens))
+            pooled = model_runner_output.pooler_output.get(req_id)
+            if pooled is not None:
+                request.num_pending_tokens -= 1
+                stopped.append((request, RequestStatus.FINISHED_STOPPED))
+                outputs.append(EngineCoreOutput(req_id, [], FinishReason.STOP, pooling_output=pooled))
+                continue
             if not sampled:
                 continue  # a partial prefill chunk samples nothing
             request.num_pending_tokens -= 1
@@ -376,6 +395,20 @@ class Scheduler:
 
     # ---- helpers ----------------------------------------------------------------------------
 
+    def _check_pooling_fits(self, request: Request) -> None:
+        """A pooling prompt may fill max_model_len (nothing is generated after it); one that must
+        run whole in one step must fit the step's token budget."""
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids has {request.num_prompt_tokens} tokens; at most max_model_len = "
+                f"{self.max_model_len} fit (or set truncate_prompt_tokens)"
+            )
+        if self.whole_prompt_pooling and request.num_prompt_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt_token_ids has {request.num_prompt_tokens} tokens; this model pools over the whole prompt "
+                f"in one step, so at most max_num_batched_tokens = {self.max_num_batched_tokens} fit"
+            )
+
     def _propose(self) -> dict[str, list[int]]:
         """N-gram drafts for the running requests about to decode, proposed in one batch.
 
@@ -427,7 +460,10 @@ class Scheduler:
         return num_rejected
 
     def _num_tokens_to_compute(self, request: Request) -> int:
-        """Tokens a running request still needs; 0 once its in-flight tokens reach a length cap."""
+        """Tokens a running request still needs; 0 once its in-flight tokens reach a length cap
+        (a pooling request needs the rest of its prompt, which may fill max_model_len)."""
+        if request.pooling_params is not None:
+            return request.num_prompt_tokens - request.num_computed_tokens
         if self._length_capped(request, request.num_pending_tokens):
             return 0
         return request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
