@@ -23,6 +23,8 @@ class ConfigError(ValueError):
 # from after penalties, bias, bans, temperature and truncation (processed; truncated tokens get
 # -inf), as log probabilities or as the logits themselves. The sampler implements each mode.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+# Values of ModelConfig.quantization (None: the checkpoint's own).
+QUANTIZATION_METHODS = (None, "fp8")
 
 # What the engine serves: "generate" samples tokens; "embed" pools hidden states (no sampler);
 # "auto" picks from the architecture (encoders such as BertModel embed, decoders generate).
@@ -95,6 +97,9 @@ class ModelConfig:
     task: str = "auto"
     # An embedding model's pooling; resolved (both fields set) for task "embed", else None.
     pooler_config: PoolerConfig | None = None
+    # "fp8": FP8 weights, quantized at load from a bf16/fp16 checkpoint; None: as the checkpoint is
+    # (an FP8 checkpoint's quantization_config resolves this to "fp8").
+    quantization: str | None = None
     hf_config: Any = field(default=None, repr=False)
     # Derived from generation_config: SamplingParams fields the model recommends (e.g. temperature),
     # applied wherever a user leaves the field unset.
@@ -105,6 +110,8 @@ class ModelConfig:
             raise ConfigError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.task not in TASKS:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(f"quantization must be 'fp8' or unset, got {self.quantization!r}")
 
     @property
     def is_embedding_model(self) -> bool:

@@ -25,6 +25,7 @@ from pagoda.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from pagoda.model.layers.quantization.config import resolve_quantization
 from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
 from pagoda.pooling.config import resolve_pooler_config, resolve_task
 
@@ -79,6 +80,9 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         model_config.model, model_config.load_format, model_config.generation_config
     )
     model_config.dtype = _resolve_dtype(model_config.dtype, device_config)
+    model_config.quantization = resolve_quantization(
+        model_config.quantization, model_config.hf_config, model_config.load_format, torch.device(device_config.device)
+    )
     model_config.task = resolve_task(model_config.task, model_config.hf_config)
     if model_config.is_embedding_model:
         model_config.pooler_config = resolve_pooler_config(model_config.model, model_config.hf_config, pooler)

@@ -50,6 +50,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     model.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: FP8 weights, quantized at load from a bf16/fp16 checkpoint (default: as the checkpoint is)",
+    )
+    model.add_argument(
         "--task",
         default="auto",
         choices=["auto", "generate", "embed"],
@@ -114,6 +120,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "distributed_executor_backend",
         "speculative_config",
         "pooler_config",
+        "quantization",
     ):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)

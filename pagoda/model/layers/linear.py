@@ -5,6 +5,11 @@ Row-parallel layers split the input features and all-reduce the partial sums. Ev
 carries a `weight_loader(param, loaded_weight, shard_id)` that copies this rank's slice out of
 the checkpoint tensor (reading only that slice when the tensor is lazy), so model code and
 checkpoints stay the same at any TP size.
+
+How a layer holds its weight and multiplies by it is its `quant_method` (a `LinearMethod`,
+unquantized unless the model is built under a quantization config): the method registers the
+weight and any scales, each carrying a `ScaleLayout` that tells the layer's loader how to
+slice it (scales follow their weight's rows or blocks), and runs the product.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
-from pagoda.model import ops
+from pagoda.model.layers.quantization.base import LinearShape, ScaleLayout, current_linear_method
 from pagoda.model.layers.weight_utils import CheckpointWeight, copy_weight, narrow_weight
 
 ShardId = int | str | None
@@ -31,12 +36,36 @@ def _new_parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def _whole(weight: CheckpointWeight) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight.materialize()
+
+
+def _copy_per_shard_scalar(param: nn.Parameter, index: int, loaded_weight: CheckpointWeight) -> None:
+    """A per-tensor scale (shape [] or [1] in checkpoints) into entry `index` of `param`."""
+    if loaded_weight.shape.numel() != 1:
+        raise ValueError(f"expected a per-tensor scale (one element), got shape {tuple(loaded_weight.shape)}")
+    copy_weight(param.data.narrow(0, index, 1), _whole(loaded_weight).reshape(1))
+
+
+def _build_weights(layer: nn.Module, shape: LinearShape) -> None:
+    """Let the layer's linear method register its parameters, each loaded by the layer's loader."""
+    layer.linear_shape = shape
+    layer.quant_method = current_linear_method()
+    layer.quant_method.create_weights(layer, shape)
+    for param in layer.parameters(recurse=False):
+        param.weight_loader = layer.weight_loader
+
+
 class RankSlice(NamedTuple):
     """This rank's part of one checkpoint tensor: slice `index` of `count` slices of `rows` rows."""
 
     rows: int
     index: int
     count: int
+
+
+# How the weight itself (and a bias) is sliced: row for row, column for column.
+_WEIGHT_LAYOUT = ScaleLayout()
 
 
 class _ColumnShardedLinear(nn.Module):
@@ -55,8 +84,7 @@ class _ColumnShardedLinear(nn.Module):
         for shard_id, rank_slice in shards.items():
             self.shard_offsets[shard_id] = offset
             offset += rank_slice.rows
-        self.weight = _new_parameter(offset, input_size)
-        self.weight.weight_loader = self.weight_loader
+        _build_weights(self, LinearShape(input_size, tuple(rank_slice.rows for rank_slice in shards.values())))
         if bias:
             self.bias = _new_parameter(offset)
             self.bias.weight_loader = self.weight_loader
@@ -66,14 +94,22 @@ class _ColumnShardedLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: ShardId = None) -> None:
         if shard_id not in self.shards:
             raise ValueError(f"unknown shard_id {shard_id!r}, expected one of {list(self.shards)}")
+        layout = getattr(param, "scale_layout", _WEIGHT_LAYOUT)
+        if layout.per_shard:
+            _copy_per_shard_scalar(param, list(self.shards).index(shard_id), loaded_weight)
+            return
         rows, index, count = self.shards[shard_id]
-        if loaded_weight.shape[0] != rows * count:
-            raise ValueError(f"checkpoint tensor has {loaded_weight.shape[0]} rows, expected {rows * count}")
-        dst = param.data.narrow(0, self.shard_offsets[shard_id], rows)
-        copy_weight(dst, narrow_weight(loaded_weight, 0, index * rows, rows))
+        rows_per_entry = layout.rows_per_entry
+        if rows % rows_per_entry:
+            raise ValueError(f"{rows} rows per rank are not whole blocks of {rows_per_entry} rows")
+        entries = rows // rows_per_entry
+        if loaded_weight.shape[0] != entries * count:
+            raise ValueError(f"checkpoint tensor has {loaded_weight.shape[0]} rows, expected {entries * count}")
+        dst = param.data.narrow(0, self.shard_offsets[shard_id] // rows_per_entry, entries)
+        copy_weight(dst, narrow_weight(loaded_weight, 0, index * entries, entries))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(_ColumnShardedLinear):
@@ -131,8 +167,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size_per_rank = divide(input_size, self.tp_size)
-        self.weight = _new_parameter(output_size, self.input_size_per_rank)
-        self.weight.weight_loader = self.weight_loader
+        _build_weights(self, LinearShape(self.input_size_per_rank, (output_size,)))
         if bias:
             self.bias = _new_parameter(output_size)
             self.bias.weight_loader = self.weight_loader
@@ -142,15 +177,25 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: None = None) -> None:
         if shard_id is not None:
             raise ValueError(f"RowParallelLinear has no shards, got shard_id {shard_id!r}")
-        if param.ndim == 2:
-            if loaded_weight.ndim != 2 or loaded_weight.shape[1] != self.input_size_per_rank * self.tp_size:
+        layout = getattr(param, "scale_layout", None)
+        if layout is not None and layout.per_shard:
+            _copy_per_shard_scalar(param, 0, loaded_weight)
+            return
+        # Columns of the input one entry of dim 1 covers; 0: dim 1 is not split (a bias).
+        cols_per_entry = layout.cols_per_entry if layout is not None else (1 if param.ndim == 2 else 0)
+        if cols_per_entry:
+            if self.input_size_per_rank % cols_per_entry:
+                raise ValueError(
+                    f"{self.input_size_per_rank} columns per rank are not whole blocks of {cols_per_entry}"
+                )
+            size = self.input_size_per_rank // cols_per_entry
+            if loaded_weight.ndim != 2 or loaded_weight.shape[1] != size * self.tp_size:
                 raise ValueError(
                     f"checkpoint tensor shape {tuple(loaded_weight.shape)} does not fit {tuple(param.shape)}"
                 )
-            size = self.input_size_per_rank
             loaded_weight = narrow_weight(loaded_weight, 1, self.tp_rank * size, size)
         copy_weight(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ops.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(out)

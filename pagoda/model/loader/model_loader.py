@@ -10,6 +10,8 @@ from torch import nn
 
 from pagoda.attention.backends import AttentionBackend
 from pagoda.config import ModelConfig
+from pagoda.model.layers.quantization.base import building_with, process_weights_after_loading
+from pagoda.model.layers.quantization.config import build_quantization_config
 from pagoda.model.loader.dummy import init_dummy_weights
 from pagoda.model.loader.safetensors_loader import iter_safetensors_weights
 from pagoda.model.models.adapters import as_embedding_model
@@ -67,7 +69,9 @@ def get_model(model_config: ModelConfig, attn_backend: type[AttentionBackend], d
     model_class = get_model_class(model_config.hf_config)
     if model_config.is_embedding_model and issubclass(model_class, DecoderForCausalLM):
         model_class = as_embedding_model(model_class)
-    with _default_dtype(model_config.dtype), torch.device(device):
+    quantization = build_quantization_config(model_config.quantization, model_config.hf_config, model_config.load_format)
+    with _default_dtype(model_config.dtype), torch.device(device), building_with(quantization):
         model = model_class(model_config.hf_config, attn_backend)
     load_weights_from_source(model, model_config)
+    process_weights_after_loading(model)
     return model.eval()

@@ -1,0 +1,116 @@
+"""Which quantization a model runs with: the user's `quantization` setting against the
+checkpoint's own `quantization_config` (config.json), resolved to a `QuantizationConfig`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagoda.config import ConfigError
+from pagoda.model.layers.quantization.base import QuantizationConfig
+from pagoda.model.layers.quantization.fp8 import Fp8Config
+from pagoda.model.layers.quantization.fp8_ops import fp8_supported
+
+# Checkpoint `quant_method`s that load as FP8.
+CHECKPOINT_FP8_METHODS = ("fp8", "compressed-tensors")
+# compressed-tensors `ignore` entries that name modules never quantized here anyway: the LM head
+# and a mixture-of-experts router.
+_ALWAYS_UNQUANTIZED = ("lm_head", "mlp.gate", "block_sparse_moe.gate")
+
+
+def checkpoint_quantization(hf_config: Any) -> dict[str, Any] | None:
+    """The checkpoint's `quantization_config` as a dict, None if it has none."""
+    value = getattr(hf_config, "quantization_config", None)
+    if value is None or isinstance(value, dict):
+        return value
+    return value.to_dict()
+
+
+def resolve_quantization(
+    quantization: str | None, hf_config: Any, load_format: str, device: torch.device
+) -> str | None:
+    """The method the model runs with ("fp8" or None, as ModelConfig checked), resolved against
+    the checkpoint (an FP8 checkpoint runs in FP8) and checked against the device."""
+    published = checkpoint_quantization(hf_config)
+    if published is not None and load_format != "dummy":
+        build_quantization_config("fp8", hf_config, load_format)
+        quantization = "fp8"
+    if quantization == "fp8" and not fp8_supported(device):
+        capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ConfigError(
+            f"quantization 'fp8' needs a GPU of compute capability >= 8.9 (Ada, Hopper), this one is {capability}"
+        )
+    return quantization
+
+
+def build_quantization_config(quantization: str | None, hf_config: Any, load_format: str) -> QuantizationConfig | None:
+    """The layers' quantization: the checkpoint's FP8 layout where it publishes one (except for
+    dummy weights, which are drawn in the model dtype), else FP8 quantized at load if asked."""
+    if quantization is None:
+        return None
+    published = checkpoint_quantization(hf_config)
+    if published is None or load_format == "dummy":
+        return Fp8Config()
+    method = published.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors_config(published)
+    if method == "fp8":
+        return _hf_fp8_config(published)
+    raise ConfigError(
+        f"quantization_config.quant_method {method!r} is not supported; supported: {', '.join(CHECKPOINT_FP8_METHODS)}"
+    )
+
+
+def _hf_fp8_config(published: dict[str, Any]) -> Fp8Config:
+    """HF's fine-grained FP8: `weight_scale_inv` per block (or one per tensor)."""
+    scheme = published.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ConfigError(f"quantization_config.activation_scheme must be 'dynamic' or 'static', got {scheme!r}")
+    _check_ignored(published.get("modules_to_not_convert") or [], "modules_to_not_convert")
+    block = published.get("weight_block_size")
+    return Fp8Config(
+        serialized=True,
+        weight_strategy="block" if block else "tensor",
+        block_size=tuple(block) if block else None,
+        static_input=scheme == "static",
+        weight_scale_name="weight_scale_inv",
+        input_scale_name="activation_scale",
+    )
+
+
+def _compressed_tensors_config(published: dict[str, Any]) -> Fp8Config:
+    """compressed-tensors' float-quantized layout: one config group of 8-bit float weights."""
+    groups = published.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ConfigError(f"quantization_config.config_groups must hold one group, got {len(groups)}")
+    ((group_name, group),) = groups.items()
+    weights = group.get("weights") or {}
+    field = f"quantization_config.config_groups.{group_name}"
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise ConfigError(f"{field}.weights must be 8-bit float (FP8), got {weights}")
+    strategy = weights.get("strategy")
+    block = weights.get("block_structure") if strategy == "block" else None
+    if strategy not in ("tensor", "channel", "block"):
+        raise ConfigError(f"{field}.weights.strategy must be tensor, channel or block, got {strategy!r}")
+    activations = group.get("input_activations") or {}
+    static_input = bool(activations) and not activations.get("dynamic", True)
+    if static_input and activations.get("strategy") != "tensor":
+        raise ConfigError(f"{field}.input_activations: static scales must be per tensor, got {activations}")
+    _check_ignored(published.get("ignore") or [], "ignore")
+    return Fp8Config(
+        serialized=True,
+        weight_strategy=strategy,
+        block_size=tuple(block) if block else None,
+        static_input=static_input,
+    )
+
+
+def _check_ignored(modules: list[str], field: str) -> None:
+    """Unquantized modules are only those never quantized here: other entries would leave a
+    bf16 tensor where an FP8 layer expects FP8, so they are refused rather than misread."""
+    unexpected = [name for name in modules if not any(kind in name for kind in _ALWAYS_UNQUANTIZED)]
+    if unexpected:
+        raise ConfigError(
+            f"quantization_config.{field} lists modules kept unquantized that are not supported yet: {unexpected}"
+        )
