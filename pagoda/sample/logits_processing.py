@@ -60,7 +60,7 @@ class TokenBans(LogitsProcessor):
     def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         banned = metadata.banned_token_ids
         assert banned is not None
-        minus_inf = torch.full(banned.rows.shape, float("-inf"), device=logits.device)
+        minus_inf = torch.full(banned.rows.shape, float("-inf"), device=logits.device, dtype=logits.dtype)
         logits.index_put_((banned.rows, banned.token_ids), minus_inf)
 
 

@@ -10,7 +10,7 @@ from sampling_utils import make_metadata
 
 from pagoda.sample import triton_bitmask
 from pagoda.sample.logits_processing import LOGITS_PROCESSORS, GrammarMask, apply_token_bitmask, process_logits
-from pagoda.sample.metadata import TokenBitmask
+from pagoda.sample.metadata import TokenBitmask, TokenEntries
 
 VOCAB = 70  # not a multiple of 32: the last word is partly padding
 
@@ -91,3 +91,22 @@ def test_the_triton_kernel_masks_as_the_torch_path() -> None:
         logits = mask_case(dtype)[0]
         triton_bitmask.apply_token_bitmask_triton(logits, identity.rows, identity.words, None)
         assert torch.equal(logits, expected)
+
+
+def test_masks_alone_apply_in_place_in_the_logits_dtype(device: str) -> None:
+    """bf16 logits under a ban, an allowed set and a grammar mask, no logprobs: masked in place,
+    exactly as the float32 copy would be."""
+    metadata = make_metadata([1.0, 1.0], [0, 0], [0, 0], device=device)
+    metadata.banned_token_ids = TokenEntries(torch.tensor([0], device=device), torch.tensor([5], device=device))
+    metadata.allowed_token_ids = TokenEntries(torch.tensor([1, 1], device=device), torch.tensor([3, 4], device=device))
+    metadata.allowed_rows = torch.tensor([False, True], device=device)
+    metadata.grammar_bitmask = TokenBitmask(torch.tensor([0], device=device), bitmask_of([{5, 6, 7}]).to(device))
+    logits = torch.randn(2, VOCAB, device=device).to(torch.bfloat16)
+    copy = logits.float()
+    metadata.max_num_logprobs = 1
+    expected = process_logits(copy, metadata)
+    metadata.max_num_logprobs = None
+    processed = process_logits(logits, metadata)
+    assert processed is logits and processed.dtype == torch.bfloat16
+    assert torch.equal(processed.float(), expected)
+    assert set(torch.nonzero(torch.isfinite(processed[0])).flatten().tolist()) == {6, 7}
