@@ -69,7 +69,9 @@ def get_model(model_config: ModelConfig, attn_backend: type[AttentionBackend], d
     model_class = get_model_class(model_config.hf_config)
     if model_config.is_embedding_model and issubclass(model_class, DecoderForCausalLM):
         model_class = as_embedding_model(model_class)
-    quantization = build_quantization_config(model_config.quantization, model_config.hf_config, model_config.load_format)
+    quantization = build_quantization_config(
+        model_config.quantization, model_config.hf_config, model_config.load_format
+    )
     with _default_dtype(model_config.dtype), torch.device(device), building_with(quantization):
         model = model_class(model_config.hf_config, attn_backend)
     load_weights_from_source(model, model_config)
