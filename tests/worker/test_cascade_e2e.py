@@ -19,7 +19,7 @@ from pagoda.attention.backends.torch_ref import TorchAttentionImpl
 BLOCK_SIZE = 8
 SYSTEM_A = list(range(3, 43))  # 40 tokens: 5 whole blocks shared
 SYSTEM_B = list(range(200, 224)[::-1])  # 24 tokens: 3 blocks
-PROMPTS = [SYSTEM_A + [50 + i, 60 + i, 70 + i] for i in range(4)] + [SYSTEM_B + [90 + i] * (i + 1) for i in range(3)]
+PROMPTS = [[*SYSTEM_A, 50 + i, 60 + i, 70 + i] for i in range(4)] + [SYSTEM_B + [90 + i] * (i + 1) for i in range(3)]
 SAMPLED_PROMPT = list(range(100, 120))
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -57,7 +57,7 @@ def generate(checkpoint: str, disable_cascade_attn: bool) -> list[list[list[int]
         disable_cascade_attn=disable_cascade_attn,
     )
     # The system prompts' blocks are cached first, so the batch below hits them.
-    llm.generate([SYSTEM_A + [1], SYSTEM_B + [1]], PARAMS, use_tqdm=False)
+    llm.generate([[*SYSTEM_A, 1], [*SYSTEM_B, 1]], PARAMS, use_tqdm=False)
     params = [PARAMS] * len(PROMPTS) + [SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True)]
     outputs = llm.generate([*PROMPTS, SAMPLED_PROMPT], params, use_tqdm=False)
     llm.shutdown()
