@@ -24,7 +24,7 @@ from pagoda.model.layers.quantization.fp8_ops import (
     quantize_blocks,
     quantize_per_channel,
 )
-from pagoda.model.ops.triton_fp8_gemm import fp8_gemm, quantize_rows
+from pagoda.model.ops.triton_fp8_gemm import Fp8GemvConfig, fp8_gemm, fp8_gemv, quantize_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -51,6 +51,21 @@ def test_weight_only_matches_dequantized_reference(m, n, k, block_size):
     bias = torch.randn(n, device=DEVICE)
     out = fp8_gemm(x, weight, scale, block_size=block_size, bias=bias)
     torch.testing.assert_close(out, _reference(x, None, weight, scale, block_size) + bias, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("block_size", [None, BLOCK], ids=["per-channel", "block"])
+@pytest.mark.parametrize("config", [None, Fp8GemvConfig(block_n=16, block_k=16, split_k=3)], ids=["default", "split"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_gemv_matches_dequantized_reference(m, config, block_size):
+    """The decode GEMV in bf16, K split over programs or not, with a bias."""
+    torch.manual_seed(4)
+    weight, scale = _weights(40, 96, block_size)
+    x = torch.randn(m, 96, device=DEVICE).to(torch.bfloat16)
+    bias = torch.randn(40, device=DEVICE).to(torch.bfloat16)
+    out = fp8_gemv(x, weight, scale, block_size=block_size, bias=bias, config=config)
+    assert out.dtype == torch.bfloat16
+    ref = _reference(x, None, weight, scale, block_size) + bias.float()
+    torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("block_size", [None, BLOCK], ids=["per-token", "block"])

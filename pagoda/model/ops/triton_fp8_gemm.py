@@ -4,10 +4,16 @@ activation quantization that feeds it.
 W [N, K] is float8 e4m3 with float32 scales in either of two layouts:
 - per output channel, `w_scale` [N] (a per-tensor scale is the same, repeated);
 - block-wise, `w_scale` [ceil(N / block_n), ceil(K / block_k)] (HF's `weight_block_size`).
-x [M, K] is either in the activation dtype (weight-only: W is converted to x's dtype in
-registers, the decode path, where reading W is the whole cost and quantizing x would be one
-more launch), or float8 with float32 scales per token, `x_scale` [M, 1], or per token and
-K-group, [M, K / block_k] (the block-wise layout's activations).
+Two kernels:
+- `fp8_gemv`, decode-sized batches (M <= GEMV_MAX_TOKENS): weight-only, x stays in the
+  activation dtype and W is converted to it in registers (reading W is the whole cost there,
+  and quantizing x would be one more launch). Shaped like `triton_gemv`: each program streams
+  BLOCK_N rows of W as the dot's left operand against x^T padded to 16 columns, and K is split
+  across programs (float32 partials summed in a fixed order) when the row blocks cannot fill
+  the GPU.
+- `fp8_gemm`, any M: x either in the activation dtype or float8 with float32 scales per
+  token, `x_scale` [M, 1], or per token and K-group, [M, K / block_k] (the block-wise
+  layout's activations); tiles of BLOCK_M x BLOCK_N outputs.
 
 Scales constant along K multiply the float32 accumulator once after the K loop; block-wise
 scales multiply each K step's partial product (BLOCK_K divides block_k, so a step never
@@ -28,6 +34,52 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 # Smallest scale a quantizer divides by, so an all-zero row quantizes to zeros, not NaN.
 MIN_SCALE = 1e-12
 QUANT_BLOCK = 1024
+# Rows of x `fp8_gemv` multiplies: the smallest tile `tl.dot` takes.
+GEMV_MAX_TOKENS = 16
+SUM_BLOCK_SIZE = 1024
+# SM count assumed off CUDA (the interpreter): an H100/H200's.
+DEFAULT_NUM_SMS = 132
+# Programs per SM the GEMV heuristic aims for.
+PROGRAMS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class Fp8GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# (N, K, M rounded up to a power of two) -> config, from `benchmarks/fp8_gemm.py --sweep` on the
+# target GPU; shapes not listed take `default_gemv_config`.
+TUNED_GEMV_CONFIGS: dict[tuple[int, int, int], Fp8GemvConfig] = {}
+
+
+def default_gemv_config(n: int, k: int, scale_block_k: int, num_sms: int) -> Fp8GemvConfig:
+    """The widest row block (64, 32 or 16 rows) giving every SM PROGRAMS_PER_SM programs, K
+    split until the SMs are busy; K steps of 256 FP8 bytes per row (never across a scale group)."""
+    block_k = min(256, max(16, triton.next_power_of_2(k)))
+    if scale_block_k:
+        block_k = min(block_k, scale_block_k)
+    target = PROGRAMS_PER_SM * num_sms
+    block_n = next((size for size in (64, 32) if triton.cdiv(n, size) >= target), 16)
+    row_blocks = triton.cdiv(n, block_n)
+    split_k = 1
+    if row_blocks < target:
+        split_k = min(max(1, triton.cdiv(k, block_k)), triton.cdiv(target, row_blocks))
+    return Fp8GemvConfig(block_n, block_k, split_k, num_warps=4, num_stages=4)
+
+
+def gemv_config(n: int, k: int, m: int, scale_block_k: int, device: torch.device) -> Fp8GemvConfig:
+    tuned = TUNED_GEMV_CONFIGS.get((n, k, triton.next_power_of_2(max(m, 1))))
+    if tuned is not None and not (scale_block_k and scale_block_k % tuned.block_k):
+        return tuned
+    num_sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_NUM_SMS
+    )
+    return default_gemv_config(n, k, scale_block_k, num_sms)
 
 
 @dataclass(frozen=True)
@@ -176,6 +228,151 @@ def fp8_gemm(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    return out
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    SCALE_BLOCK_N: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WRITE_PARTIALS: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_start + offs_k)[:, None]
+    w_scale_ptrs = w_scale_ptr + (offs_n // SCALE_BLOCK_N) * stride_wsn
+    # acc holds y^T for this block of rows: W [BLOCK_N, BLOCK_K] times x^T [BLOCK_K, BLOCK_M].
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        k_mask = k + offs_k < K
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        if DOT_IN_FP32:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        else:
+            w = w.to(x.dtype)
+        if SCALE_BLOCK_K:
+            w_s = tl.load(w_scale_ptrs + k // SCALE_BLOCK_K, mask=n_mask, other=0.0)
+            acc += tl.dot(w, x) * w_s[:, None]
+        else:
+            acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if not SCALE_BLOCK_K:
+        acc = acc * tl.load(w_scale_ptrs, mask=n_mask, other=0.0)[:, None]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if WRITE_PARTIALS:
+        tl.store(out_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _sum_splits_kernel(
+    partials_ptr, bias_ptr, out_ptr, M, N, split_k, stride_om, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr
+):
+    m = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < N
+    acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+    for split in range(split_k):
+        acc += tl.load(partials_ptr + (split * M + m) * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    block_size: tuple[int, int] | None = None,
+    bias: torch.Tensor | None = None,
+    config: Fp8GemvConfig | None = None,
+) -> torch.Tensor:
+    """x [M <= GEMV_MAX_TOKENS, K] in the activation dtype times FP8 `weight` [N, K]^T -> [M, N]
+    in x's dtype; scales as `fp8_gemm`'s weight-only case. `config` overrides `gemv_config`."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > GEMV_MAX_TOKENS:
+        raise ValueError(f"x has {m} tokens, fp8_gemv takes at most GEMV_MAX_TOKENS={GEMV_MAX_TOKENS}")
+    if weight.dtype != FP8_DTYPE or weight.shape[1] != k or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous float8_e4m3fn [N, {k}], got {weight.dtype} {tuple(weight.shape)}")
+    scale_block_n, scale_block_k = block_size if block_size is not None else (1, 0)
+    config = config or gemv_config(n, k, m, scale_block_k, x.device)
+    if scale_block_k and scale_block_k % config.block_k:
+        raise ValueError(f"block_size[1] ({scale_block_k}) must be a multiple of block_k {config.block_k}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    x = x.contiguous()
+    weight_scale = weight_scale.contiguous()
+    steps = max(1, triton.cdiv(k, config.block_k))
+    steps_per_split = triton.cdiv(steps, min(config.split_k, steps))
+    split_k = triton.cdiv(steps, steps_per_split)
+    write_partials = split_k > 1
+    target = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if write_partials else out
+    bias_arg = x if bias is None else bias.contiguous()
+    _fp8_gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
+        x,
+        weight,
+        weight_scale,
+        bias_arg,
+        target,
+        m,
+        n,
+        k,
+        steps_per_split * config.block_k,
+        x.stride(0),
+        weight.stride(0),
+        weight_scale.stride(0) if block_size is not None else 1,
+        out.stride(0),
+        SCALE_BLOCK_N=scale_block_n,
+        SCALE_BLOCK_K=scale_block_k,
+        HAS_BIAS=bias is not None,
+        WRITE_PARTIALS=write_partials,
+        # the interpreter multiplies 16-bit dot operands as raw bits; float32 products are exact
+        DOT_IN_FP32=x.device.type == "cpu",
+        BLOCK_M=GEMV_MAX_TOKENS,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if write_partials:
+        _sum_splits_kernel[(triton.cdiv(n, SUM_BLOCK_SIZE), m)](
+            target, bias_arg, out, m, n, split_k, out.stride(0), HAS_BIAS=bias is not None, BLOCK_SIZE=SUM_BLOCK_SIZE
+        )
     return out
 
 

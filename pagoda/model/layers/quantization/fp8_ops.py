@@ -21,13 +21,14 @@ from pagoda.model import ops
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 MIN_SCALE = 1e-12
-# Up to this many tokens the weight-only Triton kernel runs instead of quantizing x.
+# Up to this many tokens (at most triton_fp8_gemm.GEMV_MAX_TOKENS) the weight-only Triton GEMV
+# runs instead of quantizing x.
 WEIGHT_ONLY_MAX_TOKENS = 16
 # torch._scaled_mm needs K and N to be multiples of 16.
 SCALED_MM_ALIGNMENT = 16
 
 if ops.TRITON_AVAILABLE:
-    from pagoda.model.ops.triton_fp8_gemm import fp8_gemm, quantize_rows
+    from pagoda.model.ops.triton_fp8_gemm import GEMV_MAX_TOKENS, fp8_gemm, fp8_gemv, quantize_rows
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -128,8 +129,8 @@ def fp8_linear(
     `block_size`. input_scale: a static per-tensor activation scale (None: dynamic)."""
     if not ops.use_triton(x):
         return _reference_linear(x, weight, weight_scale, block_size, input_scale, bias)
-    if x.shape[0] <= WEIGHT_ONLY_MAX_TOKENS:
-        return fp8_gemm(x, weight, weight_scale, block_size=block_size, bias=bias)
+    if x.shape[0] <= min(WEIGHT_ONLY_MAX_TOKENS, GEMV_MAX_TOKENS):
+        return fp8_gemv(x, weight, weight_scale, block_size=block_size, bias=bias)
     if block_size is not None:
         x_q, x_scale = quantize_activations(x, block_size[1], input_scale)
         return fp8_gemm(x_q, weight, weight_scale, x_scale=x_scale, block_size=block_size, bias=bias, out_dtype=x.dtype)
