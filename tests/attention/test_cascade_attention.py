@@ -348,3 +348,46 @@ def test_gpu_cascade_sweep(group: int, groups: list[Group], loners: tuple[int, .
     out = run_triton_cascade(batch, max_model_len=40960)
     n = batch.num_actual_tokens
     assert max_row_relative_error(out[:n], plain_reference(batch)[:n]) <= 1e-2
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_cascade_graph_replays_any_grouping() -> None:
+    """A graph captured over metadata with no group (as the runner captures its cascade decode
+    graphs) replays one group, then two, from the same static buffers."""
+    batch = make_cascade_batch(
+        [Group(64, tuple(range(0, 40 * 7, 7))), Group(32, tuple(range(1, 20 * 5, 5)))],
+        (33, 200),
+        num_kv_heads=8,
+        group=2,
+        head_size=128,
+        dtype=torch.bfloat16,
+        num_pad_tokens=3,
+        num_pad_reqs=1,
+    )
+    num_tokens, num_heads, head_size = batch.query.shape
+    num_reqs = batch.metadata.num_reqs
+    buffers = CascadeBuffers(max(num_tokens, num_reqs), torch.device(DEVICE), pin_memory=True)
+    spec = FullAttentionSpec(16, 8, head_size, torch.bfloat16)
+    builder = TritonMetadataBuilder(spec, AttentionLimits(num_heads, num_tokens, 40960, cascade=True), DEVICE)
+    num_scheduled = np.ones(num_reqs - 1, dtype=np.int64)
+    captured = builder.build(
+        dataclasses.replace(batch.metadata, cascade=buffers.build(None, num_scheduled, num_tokens, num_reqs))
+    )
+    impl = TritonAttentionImpl(num_heads, head_size, 8, batch.scale)
+    kv_cache = batch.kv_cache.clone()
+    impl.forward(batch.query, batch.key, batch.value, kv_cache, captured)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = impl.forward(batch.query, batch.key, batch.value, kv_cache, captured)
+    ref = plain_reference(batch)
+    block_table = batch.metadata.block_table.cpu().numpy()[: num_reqs - 1]
+    computed = batch.metadata.seq_lens_cpu.numpy()[: num_reqs - 1].astype(np.int64) - 1
+    for max_groups in (1, 2):
+        plan = plan_cascade(block_table, computed, computed + 1, 16, min_shared_tokens=1, max_groups=max_groups)
+        assert plan is not None and plan.num_groups == max_groups
+        buffers.build(plan, num_scheduled, num_tokens, num_reqs)
+        graph.replay()
+        n = batch.num_actual_tokens
+        assert max_row_relative_error(out[:n], ref[:n]) <= 1e-2
