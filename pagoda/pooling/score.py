@@ -27,7 +27,7 @@ def score_pairs(first: str | Sequence, second: str | Sequence, names: tuple[str,
     if len(first_items) != len(second_items):
         raise InvalidRequestError(
             names[1],
-            f"{names[0]} has {len(first_items)} items and {names[1]} {len(second_items)}: "
+            f"{names[0]} has {len(first_items)} items and {names[1]} has {len(second_items)}: "
             f"give one {names[0]} item, or as many as {names[1]} has",
         )
     return list(zip(first_items, second_items, strict=True))

@@ -62,6 +62,7 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeResponse,
     UpdateWeightsRequest,
 )
+from pagoda.entrypoints.openai.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagoda.entrypoints.openai.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
 from pagoda.entrypoints.openai.request_body import (
     Body,
@@ -73,7 +74,9 @@ from pagoda.entrypoints.openai.request_body import (
 from pagoda.entrypoints.openai.response_store import ResponseStore
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagoda.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagoda.entrypoints.openai.serving_score import OpenAIServingRerank, OpenAIServingScore
 from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagoda.entrypoints.openai.ui_routes import OPEN_PATHS as UI_OPEN_PATHS
 from pagoda.entrypoints.openai.ui_routes import add_ui_routes
@@ -163,6 +166,9 @@ def build_app(
     )
     responses = OpenAIServingResponses(engine, served_model_name, ResponseStore(), chat)
     tokenization = OpenAIServingTokenization(engine, served_model_name, options.trust_request_chat_template)
+    embeddings = OpenAIServingEmbedding(engine, served_model_name)
+    scores = OpenAIServingScore(engine, served_model_name)
+    rerank = OpenAIServingRerank(engine, served_model_name)
     max_model_len = engine.config.model_config.max_model_len
     limits = request_limits(engine.tokenizer, max_model_len)
     install_body_schemas(
@@ -174,6 +180,9 @@ def build_app(
             TokenizeRequest,
             DetokenizeRequest,
             UpdateWeightsRequest,
+            EmbeddingRequest,
+            ScoreRequest,
+            RerankRequest,
         ],
     )
     install_absent_routes(app)
@@ -218,6 +227,23 @@ def build_app(
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> DeletedResponse:
         return responses.delete(response_id)
+
+    @app.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest))
+    async def create_embedding(raw_request: Request) -> Response:
+        body = await read_body(raw_request, EmbeddingRequest)
+        return count_ignored_fields(await embeddings.create(body, raw_request), body)
+
+    @app.post("/v1/score", openapi_extra=body_schema(ScoreRequest))
+    async def create_score(raw_request: Request) -> Response:
+        body = await read_body(raw_request, ScoreRequest)
+        return count_ignored_fields(await scores.create(body, raw_request), body)
+
+    for rerank_path in ("/rerank", "/v1/rerank"):
+
+        @app.post(rerank_path, openapi_extra=body_schema(RerankRequest))
+        async def create_rerank(raw_request: Request) -> Response:
+            body = await read_body(raw_request, RerankRequest)
+            return count_ignored_fields(await rerank.create(body, raw_request), body)
 
     @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest), response_model=TokenizeResponse)
     async def tokenize(raw_request: Request) -> Response:

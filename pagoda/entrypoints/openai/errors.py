@@ -41,7 +41,6 @@ _MAX_ECHO_CHARS = 200
 RETRY_AFTER_S = 1
 # Routes of OpenAI's API the server knows but lacks, and the feature each needs.
 ABSENT_ROUTES = {
-    "/v1/embeddings": "embedding (pooling) models",
     "/v1/audio/{rest:path}": "speech models",
     "/v1/images/{rest:path}": "image generation models",
     "/v1/moderations": "moderation models",
