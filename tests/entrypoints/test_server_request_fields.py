@@ -218,7 +218,6 @@ def test_media_parts_say_what_they_need(server: RemoteServer, part: dict, words:
 @pytest.mark.parametrize(
     ("method", "path", "needs"),
     [
-        ("POST", "/v1/embeddings", "embedding"),
         ("POST", "/v1/audio/speech", "speech"),
         ("POST", "/v1/images/generations", "image generation"),
         ("POST", "/v1/moderations", "moderation"),
