@@ -58,32 +58,34 @@ def resolve_pooler_config(
         raise ConfigError(f"pooler_config must be a PoolerConfig or a dict, got {type(requested).__name__}")
     is_encoder = getattr(hf_config, "model_type", None) in ENCODER_MODEL_TYPES
     family = PoolerConfig("CLS" if is_encoder else "LAST", True)
-    found = (_sentence_transformers_pooling(model) if os.path.isdir(model) else None) or PoolerConfig()
-    pooling_type = requested.pooling_type or found.pooling_type or family.pooling_type
-    normalize = next(n for n in (requested.normalize, found.normalize, family.normalize) if n is not None)
-    return PoolerConfig(pooling_type, normalize)
+    modes, found_normalize = _sentence_transformers_pooling(model) if os.path.isdir(model) else ([], None)
+    pooling_type = requested.pooling_type
+    if pooling_type is None and modes:
+        if len(modes) != 1 or modes[0] not in _ST_POOLING_MODES:
+            raise ConfigError(
+                f"model: its sentence-transformers pooling {modes} is not supported (one of lasttoken, mean, "
+                "cls); set pooler_config={'pooling_type': 'LAST' | 'MEAN' | 'CLS'}"
+            )
+        pooling_type = _ST_POOLING_MODES[modes[0]]
+    normalize = next(n for n in (requested.normalize, found_normalize, family.normalize) if n is not None)
+    return PoolerConfig(pooling_type or family.pooling_type, normalize)
 
 
-def _sentence_transformers_pooling(path: str) -> PoolerConfig | None:
-    """The pooling a sentence-transformers folder declares; None if it has no modules.json."""
+def _sentence_transformers_pooling(path: str) -> tuple[list[str], bool | None]:
+    """The pooling modes a sentence-transformers folder declares (its name, or its flags set),
+    and whether it normalizes; ([], None) without a modules.json."""
     modules_file = os.path.join(path, "modules.json")
     if not os.path.isfile(modules_file):
-        return None
+        return [], None
     with open(modules_file) as f:
         modules = json.load(f)
     types = [module.get("type", "") for module in modules]
     normalize = any(kind.endswith(".Normalize") for kind in types)
     pooling = [module for module in modules if module.get("type", "").endswith(".Pooling")]
     if not pooling:
-        return PoolerConfig(None, normalize)
+        return [], normalize
     with open(os.path.join(path, pooling[0].get("path", ""), "config.json")) as f:
         flags = json.load(f)
     mode = flags.get("pooling_mode")
-    chosen = [mode] if isinstance(mode, str) else [k for k, on in flags.items() if k.startswith("pooling_mode_") and on]
-    unsupported = [name for name in chosen if name not in _ST_POOLING_MODES]
-    if unsupported or len(chosen) != 1:
-        raise ConfigError(
-            f"model: its sentence-transformers pooling {chosen} is not supported (one of "
-            "lasttoken, mean, cls); set pooler_config={{'pooling_type': 'LAST' | 'MEAN' | 'CLS'}}"
-        )
-    return PoolerConfig(_ST_POOLING_MODES[chosen[0]], normalize)
+    modes = [mode] if isinstance(mode, str) else [k for k, on in flags.items() if k.startswith("pooling_mode_") and on]
+    return modes, normalize
