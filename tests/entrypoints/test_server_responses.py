@@ -5,24 +5,32 @@ both ways of streaming (event order, sequence numbers, deltas that join to the t
 previous_response_id, stored responses (GET, DELETE, store false), function tools (named and
 required choices, streamed and not, a function_call_output round trip, with
 previous_response_id and with the whole conversation sent back), text.format parsed by the SDK,
-what is not supported refused by name, and an idle engine afterwards. Without a server: a
-request's conversion to the chat request it amounts to (function_call items joining their
-assistant turn, outputs as tool turns), the output items and their events, and the store's
-bounds."""
+what is not supported refused by name, and an idle engine afterwards. With --reasoning-parser
+(a tiny checkpoint made to think "a" and then answer): the reasoning as a `reasoning` item
+before the message, streamed as reasoning_text events, a text.format applied after it, and
+the output sent back whole as input. Without a server: a request's conversion to the chat
+request it amounts to (function_call items joining their assistant turn, outputs as tool
+turns), the output items and their events, and the store's bounds."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Literal
 
+import jsonschema
 import pydantic
 import pytest
+import torch
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path  # noqa: E402
+from model_utils import save_tiny_checkpoint  # noqa: E402
 from server_utils import API_KEY, LONG_CONTEXT, LONG_SERVER, MODEL, RemoteServer, assert_error  # noqa: E402
+from structured_output.byte_tokenizer import save_byte_tokenizer  # noqa: E402
+from test_server_structured import BOUNDED, CLOSE, LETTER, OPEN  # noqa: E402
 from test_server_structured import WEATHER as CHAT_WEATHER  # noqa: E402
 
 from pagoda.entrypoints.openai.errors import OpenAIError  # noqa: E402
@@ -269,6 +277,48 @@ def test_output_items_and_their_events(text: str, calls: tuple, kinds: list[str]
             ]
             assert item.status == "completed" and item.id.startswith("fc_") and item.call_id.startswith("call_")
     assert len({item.id for item in items.items}) == len(kinds)
+
+
+@pytest.mark.parametrize("text", ["It is 12.", ""], ids=["then-text", "reasoning-only"])
+def test_the_reasoning_item_comes_first_and_closes_when_the_answer_begins(text: str) -> None:
+    items = ResponseItems("msg_1", iter(range(100)))
+    events = items.reasoning("Let me ") + items.reasoning("think.")
+    events += (items.text(text) if text else []) + items.finish((), "completed")
+    assert [item.type for item in items.items] == ["reasoning", "message"]
+    reasoning = items.items[0]
+    assert reasoning.id.startswith("rs_") and reasoning.summary == [] and reasoning.status == "completed"
+    assert [(part.type, part.text) for part in reasoning.content] == [("reasoning_text", "Let me think.")]
+    own = [e.type for e in events if getattr(e, "output_index", None) == 0]
+    assert own == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    first_message_event = next(i for i, e in enumerate(events) if getattr(e, "output_index", None) == 1)
+    assert first_message_event > max(i for i, e in enumerate(events) if getattr(e, "output_index", None) == 0)
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
+def test_reasoning_items_sent_back_are_accepted_and_left_out() -> None:
+    body = parse(
+        {
+            "input": [
+                {"role": "user", "content": "q"},
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "t"}],
+                },
+                {"role": "assistant", "content": "a"},
+            ]
+        }
+    )
+    assert [(turn.role, turn.content) for turn in conversation_of(body, ())] == [("user", "q"), ("assistant", "a")]
 
 
 def test_unknown_top_level_fields_are_left_out_unless_strict() -> None:
@@ -573,3 +623,93 @@ def test_a_named_call_and_its_output_round_trip(client: openai.OpenAI) -> None:
     )
     assert whole.usage.input_tokens == chained.usage.input_tokens > first.usage.input_tokens
     assert whole.output_text == chained.output_text
+
+
+# ---- reasoning ----------------------------------------------------------------------------
+
+# The prompt opens the reasoning (DeepSeek-R1's way): the output starts inside it.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: <think>{% endif %}"
+)
+JSON_FORMAT = {"format": {"type": "json_schema", "name": "bounded", "schema": BOUNDED}}
+
+
+@torch.no_grad()
+def save_thinking_checkpoint(path: str) -> None:
+    """A tiny checkpoint that thinks "a", ends its reasoning, then answers whatever a grammar
+    allows: its layers add nothing (zero output projections), so each logit is the lm_head row
+    against the normalized embedding of the last token, and two rows are made to follow one
+    token each: "<think>" -> "a" -> "</think>"."""
+    model = save_tiny_checkpoint("qwen2", path)
+    for name, param in model.named_parameters():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            param.zero_()
+        elif "norm" in name:
+            param.fill_(1.0)
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    head.mul_(0.01)
+    for source, target in ((OPEN, LETTER), (LETTER, CLOSE)):
+        head[target] += 10 * embed[source] / embed[source].norm()
+    model.save_pretrained(path)
+    save_byte_tokenizer(path, ("<think>", "</think>"), THINKING_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def thinking_client(start_server: Callable[..., RemoteServer], tmp_path_factory) -> openai.OpenAI:
+    path = str(tmp_path_factory.mktemp("thinking-responses"))
+    save_thinking_checkpoint(path)
+    server = start_server(path, "--max-model-len", "128", "--reasoning-parser", "qwen3")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def think(client: openai.OpenAI, **kwargs):
+    kwargs = {
+        "model": client.models.list().data[0].id,
+        "input": "q",
+        "temperature": 0,
+        "max_output_tokens": 48,
+        **kwargs,
+    }
+    return client.responses.create(**kwargs)
+
+
+def test_the_reasoning_is_an_item_before_the_answer_and_a_format_shapes_the_answer(thinking_client) -> None:
+    response = think(thinking_client, text=JSON_FORMAT)
+    assert response.status == "completed" and [item.type for item in response.output] == ["reasoning", "message"]
+    reasoning = response.output[0]
+    assert reasoning.id.startswith("rs_") and reasoning.summary == [] and reasoning.status == "completed"
+    assert [(part.type, part.text) for part in reasoning.content] == [("reasoning_text", "a")]
+    jsonschema.validate(json.loads(response.output_text), BOUNDED)
+    # Sent back whole with the next message, the reasoning item is accepted (and not rendered).
+    again = think(
+        thinking_client,
+        input=[*[i.model_dump(exclude_none=True) for i in response.output], {"role": "user", "content": "q"}],
+    )
+    assert again.status in ("completed", "incomplete")
+
+
+def test_streamed_reasoning_comes_first_as_reasoning_text_events(thinking_client) -> None:
+    whole = think(thinking_client, text=JSON_FORMAT)
+    events = list(think(thinking_client, text=JSON_FORMAT, stream=True))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    reasoning_id, message_id = (item.id for item in events[-1].response.output)
+    kinds = [(event.type, getattr(event, "item_id", None)) for event in events[2:-1]]
+    assert kinds[:2] == [("response.output_item.added", None), ("response.content_part.added", reasoning_id)]
+    assert events[2].item.type == "reasoning" and events[3].part.type == "reasoning_text"
+    last_reasoning = max(i for i, (_, item_id) in enumerate(kinds) if item_id == reasoning_id)
+    assert kinds[last_reasoning + 1][0] == "response.output_item.done" and all(
+        item_id in (message_id, None) for _, item_id in kinds[last_reasoning + 2 :]
+    )
+    deltas = [event.delta for event in events if event.type == "response.reasoning_text.delta"]
+    done = [event.text for event in events if event.type == "response.reasoning_text.done"]
+    assert "".join(deltas) == done[0] == "a"
+    final = events[-1].response
+    assert final.output[0].content[0].text == "a" and final.output_text == whole.output_text
+
+
+def test_max_output_tokens_inside_the_reasoning_leaves_it_incomplete(thinking_client) -> None:
+    response = think(thinking_client, max_output_tokens=1)
+    assert response.status == "incomplete"
+    assert response.output[0].type == "reasoning" and response.output[0].status == "incomplete"
+    assert response.output[0].content[0].text == "a" and response.output_text == ""

@@ -3,9 +3,11 @@ its stream events, as the official SDK's `openai.types.responses` spells them.
 
 Text conversations with function tools are served: `input` is a string (one user message)
 or a list of message items whose content is text (`input_text` / `output_text` parts), the
-model's earlier `function_call` items and the client's `function_call_output` items; any other
-item or part (images, files, built-in tool calls, ...) is refused naming it, as are tools other
-than functions (OpenAI's built-in web_search, file_search, computer, mcp, ...). Unknown
+model's earlier `function_call` items and the client's `function_call_output` items, and
+earlier `reasoning` items (accepted so that a response's output can be sent back whole, and
+left out of the prompt, as chat templates leave out earlier reasoning); any other item or part
+(images, files, built-in tool calls, ...) is refused naming it, as are tools other than
+functions (OpenAI's built-in web_search, file_search, computer, mcp, ...). Unknown
 top-level fields are request_body.py's to ignore or refuse, as for the other routes.
 """
 
@@ -79,6 +81,7 @@ _ITEM_TAGS = {
     "message": "message-item",
     "function_call": "function-call",
     "function_call_output": "function-call-output",
+    "reasoning": "reasoning-item",
 }
 
 
@@ -94,8 +97,8 @@ def _input_items(value: Any, info: ValidationInfo) -> Any:
             if kind not in _ITEM_TAGS:
                 raise ValueError(
                     f"input[{i}] has type {str(kind)[:40]!r}: only message items (roles user, system, "
-                    "developer, assistant, with text content), function_call and function_call_output "
-                    "items are supported"
+                    "developer, assistant, with text content), function_call, function_call_output "
+                    "and reasoning items are supported"
                 )
     return value
 
@@ -171,10 +174,27 @@ class FunctionCallOutputInput(StrictModel):
         return self.output
 
 
+class ReasoningInput(StrictModel):
+    """An earlier response's reasoning item, sent back with its output: not rendered again."""
+
+    type: Literal["reasoning"]
+    id: Text | None = None
+    summary: list[Any] = Field(default_factory=list)
+    reasoning: Annotated[list[Any] | None, Field(alias="content")] = None
+    encrypted_content: Text | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @property
+    def content(self) -> str:
+        """The text it adds to the conversation (for the size check): none."""
+        return ""
+
+
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message-item")]
     | Annotated[FunctionCallInput, Tag("function-call")]
-    | Annotated[FunctionCallOutputInput, Tag("function-call-output")],
+    | Annotated[FunctionCallOutputInput, Tag("function-call-output")]
+    | Annotated[ReasoningInput, Tag("reasoning-item")],
     Discriminator(_item_tag),
 ]
 
@@ -293,7 +313,22 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The model's reasoning (split off by the server's reasoning parser), before its answer."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 
 class InputTokensDetails(BaseModel):
@@ -364,7 +399,7 @@ class ContentPartEvent(ResponseEvent):
     item_id: str
     output_index: int
     content_index: int = 0
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class TextDeltaEvent(ResponseEvent):
@@ -383,6 +418,22 @@ class TextDoneEvent(ResponseEvent):
     content_index: int = 0
     text: str
     logprobs: list[Any] = Field(default_factory=list)
+
+
+class ReasoningTextDeltaEvent(ResponseEvent):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    delta: str
+
+
+class ReasoningTextDoneEvent(ResponseEvent):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    text: str
 
 
 class FunctionCallArgumentsDeltaEvent(ResponseEvent):

@@ -1,11 +1,13 @@
 """`ResponseItems`: a response's output items, and the Responses stream events that build them.
 
-The answer's text goes into one message item, opened at its first text; its function calls
-follow as `function_call` items once the answer is whole (a call is whole only then for a
+With a reasoning parser, the reasoning comes first as one `reasoning` item (its text a
+`reasoning_text` part, streamed as `response.reasoning_text.delta` events), closed when the
+answer begins or the output ends. The answer's text goes into one message item, opened at its
+first text; its function calls follow as `function_call` items once the answer is whole (a call is whole only then for a
 forced choice, and this way the items' order never depends on how the text arrived). A plain
 answer and a stream build their items through the same calls, so the stream's last event
-carries the very object a request without streaming gets: [message] + calls, or the calls
-alone, or one (maybe empty) message when there are neither.
+carries the very object a request without streaming gets: [reasoning] + [message] + calls,
+or the calls alone, or one (maybe empty) message when there are neither.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ from pagoda.entrypoints.openai.protocol_responses import (
     OutputItem,
     OutputItemEvent,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningText,
+    ReasoningTextDeltaEvent,
+    ReasoningTextDoneEvent,
     ResponseEvent,
     TextDeltaEvent,
     TextDoneEvent,
@@ -37,17 +43,35 @@ class ResponseItems:
         self.items: list[OutputItem] = []
         self._message_index: int | None = None
         self._text: list[str] = []
+        self.reasoning_id = f"rs_{secrets.token_hex(12)}"
+        self._reasoning_index: int | None = None
+        self._reasoning: list[str] | None = None  # None once the reasoning item is done
+
+    def reasoning(self, piece: str) -> list[ResponseEvent]:
+        """More of the reasoning (its item opens with the first piece, before any answer)."""
+        assert self._message_index is None and not self._reasoning_closed, "the reasoning comes first"
+        events = self._open_reasoning() if self._reasoning_index is None else []
+        assert self._reasoning is not None
+        self._reasoning.append(piece)
+        events.append(ReasoningTextDeltaEvent(sequence_number=next(self.numbers), delta=piece, **self._reasoning_ids()))
+        return events
 
     def text(self, piece: str) -> list[ResponseEvent]:
-        """More of the answer's text (the message item opens with the first piece)."""
-        events = self._open_message() if self._message_index is None else []
+        """More of the answer's text (the message item opens with the first piece, after the
+        reasoning item is done)."""
+        events = self._close_reasoning("completed")
+        if self._message_index is None:
+            events += self._open_message()
         self._text.append(piece)
         events.append(TextDeltaEvent(sequence_number=next(self.numbers), delta=piece, **self._message_ids()))
         return events
 
     def finish(self, calls: tuple[ParsedToolCall, ...], status: str) -> list[ResponseEvent]:
-        """The answer is whole: the message is done (status "completed" or "incomplete"), then its calls."""
-        events = self._open_message() if self._message_index is None and not calls else []
+        """The answer is whole: the reasoning and the message are done (status "completed" or
+        "incomplete"), then its calls."""
+        events = self._close_reasoning(status)
+        if self._message_index is None and not calls:
+            events += self._open_message()
         if self._message_index is not None:
             text = "".join(self._text)
             part = OutputText(text=text)
@@ -64,6 +88,45 @@ class ResponseItems:
         for call in calls:
             events += self._call(call)
         return events
+
+    @property
+    def _reasoning_closed(self) -> bool:
+        return self._reasoning_index is not None and self._reasoning is None
+
+    def _open_reasoning(self) -> list[ResponseEvent]:
+        self._reasoning_index = len(self.items)
+        self._reasoning = []
+        item = OutputReasoning(id=self.reasoning_id, status="in_progress", content=[])
+        self.items.append(item)
+        return [
+            self._item_event("response.output_item.added", self._reasoning_index, item),
+            ContentPartEvent(
+                type="response.content_part.added",
+                sequence_number=next(self.numbers),
+                part=ReasoningText(text=""),
+                **self._reasoning_ids(),
+            ),
+        ]
+
+    def _close_reasoning(self, status: str) -> list[ResponseEvent]:
+        """The reasoning item's last events, once (nothing when it never opened)."""
+        if self._reasoning is None or self._reasoning_index is None:
+            return []
+        text = "".join(self._reasoning)
+        self._reasoning = None
+        part = ReasoningText(text=text)
+        item = OutputReasoning(id=self.reasoning_id, status=status, content=[part])
+        self.items[self._reasoning_index] = item
+        ids = self._reasoning_ids()
+        return [
+            ReasoningTextDoneEvent(sequence_number=next(self.numbers), text=text, **ids),
+            ContentPartEvent(type="response.content_part.done", sequence_number=next(self.numbers), part=part, **ids),
+            self._item_event("response.output_item.done", self._reasoning_index, item),
+        ]
+
+    def _reasoning_ids(self) -> dict[str, str | int]:
+        assert self._reasoning_index is not None
+        return {"item_id": self.reasoning_id, "output_index": self._reasoning_index, "content_index": 0}
 
     def _open_message(self) -> list[ResponseEvent]:
         self._message_index = len(self.items)

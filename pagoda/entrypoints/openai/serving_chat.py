@@ -140,12 +140,11 @@ class OpenAIServingChat(OpenAIServing):
         body: ChatCompletionRequest,
         plan: ToolPlan | None,
         constraint: Constraint | None,
-        reasoning: bool = True,
     ) -> PreparedChat:
         """The request's prompt, with its tools (the template's or the fallback tool prompt);
         its one constraint (the request's, or a forced tool choice's), applied only after the
-        reasoning when the server reads reasoning (and `reasoning` is true); and its answers'
-        parsers. The Responses API serves its requests through here too."""
+        reasoning when the server reads reasoning; and its answers' parsers. The Responses API
+        serves its requests through here too."""
         forced = plan.constraint() if plan is not None else None
         if constraint is not None and forced is not None:
             assert plan is not None
@@ -161,7 +160,7 @@ class OpenAIServingChat(OpenAIServing):
             self.engine, body, self.trust_request_chat_template, plan.tools if plan else None, tool_prompt
         )
         start = None
-        if reasoning and self.reasoning_parser is not None and self.tokenizer is not None:
+        if self.reasoning_parser is not None and self.tokenizer is not None:
             start = output_start(self.reasoning_parser, prompt, self.tokenizer)
             if constraint is not None and self.reasoning_markers is not None:
                 constraint = self.reasoning_markers.gate(constraint, start)

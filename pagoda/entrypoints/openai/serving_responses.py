@@ -10,8 +10,10 @@ answer by the server's tool-call parser), required or a named function (grammar-
 `parallel_tool_calls`; calls come back as `function_call` items, and their results go back in
 as `function_call_output` items (each naming a call the conversation made). `text.format`
 (json_schema, json_object) constrains the answer as `response_format` does on chat
-(structured.py). Reasoning is not split here (the answer is the whole text, so a constraint
-applies from its first token). OpenAI fields for what the server lacks (background responses,
+(structured.py). With `--reasoning-parser`, the reasoning is split off as chat's
+`reasoning_content` is, and comes first as a `reasoning` output item (streamed as
+`response.reasoning_text.delta` events); a constraint then shapes only the answer after it.
+OpenAI fields for what the server lacks (background responses,
 conversation objects, prompt templates, ...) are refused with a 400 naming the field unless
 their value asks for nothing (`include: []`, `truncation: "disabled"`, ...)."""
 
@@ -41,6 +43,7 @@ from pagoda.entrypoints.openai.protocol_responses import (
     FunctionCallOutputInput,
     FunctionToolChoice,
     IncompleteDetails,
+    ReasoningInput,
     ResponseEvent,
     ResponseLifecycleEvent,
     ResponseObject,
@@ -103,7 +106,7 @@ class OpenAIServingResponses(OpenAIServing):
         conversation = conversation_of(body, self.history(body.previous_response_id))
         chat = chat_request(body, conversation)
         constraint = text_format_constraint(body.text.format if body.text is not None else None)
-        prepared = await self.chat.prepare(chat, responses_tool_plan(body), constraint, reasoning=False)
+        prepared = await self.chat.prepare(chat, responses_tool_plan(body), constraint)
         parsers = prepared.parsers
         skip_special_tokens = parsers.skip_special_tokens(chat) if parsers is not None else None
         params = self.sampling_params(
@@ -165,6 +168,8 @@ class OpenAIServingResponses(OpenAIServing):
         if draft.parsers is not None:
             parsed = draft.parsers.new().parse(completion.text)
             content, calls = parsed.content, parsed.calls
+            if parsed.reasoning:
+                items.reasoning(parsed.reasoning)
         if content:
             items.text(content)
         return self._finish(draft, output, items, calls)[0]
@@ -172,8 +177,8 @@ class OpenAIServingResponses(OpenAIServing):
     async def _events(
         self, draft: Draft, outputs: AsyncIterator[tuple[int, RequestOutput]]
     ) -> AsyncIterator[ResponseEvent]:
-        """The Responses event stream, numbered in order: the answer's text as it comes, its
-        calls once it is whole."""
+        """The Responses event stream, numbered in order: the reasoning and then the answer's
+        text as they come, its calls once it is whole."""
         numbers = itertools.count()
         in_progress = draft.response("in_progress")
         for kind in ("response.created", "response.in_progress"):
@@ -193,6 +198,9 @@ class OpenAIServingResponses(OpenAIServing):
                 parsed = parser.update(completion.text[: tracker.num_chars_sent], final=delta.finish_reason is not None)
                 piece = parsed.content
                 calls += parsed.calls
+                if parsed.reasoning:
+                    for event in items.reasoning(parsed.reasoning):
+                        yield event
             if piece:
                 for event in items.text(piece):
                     yield event
@@ -286,7 +294,8 @@ def responses_tool_plan(body: ResponsesRequest) -> ToolPlan | None:
 def conversation_of(body: ResponsesRequest, history: tuple[Turn, ...]) -> tuple[Turn, ...]:
     """The stored history, then the input's items as turns: a function_call joins the assistant
     turn before it (one turn, several calls, as chat templates take them); a function_call_output
-    is a tool turn, and must answer a call the conversation made (400 naming its call_id)."""
+    is a tool turn, and must answer a call the conversation made (400 naming its call_id); a
+    reasoning item is left out (templates render no earlier reasoning)."""
     turns = list(history)
     made = {call.call_id for turn in history for call in turn.calls}
     for i, item in enumerate(body.input):
@@ -306,6 +315,8 @@ def conversation_of(body: ResponsesRequest, history: tuple[Turn, ...]) -> tuple[
                     f"input[{i}].call_id",
                 )
             turns.append(Turn("tool", item.output, call_id=item.call_id))
+        elif isinstance(item, ReasoningInput):
+            continue
         else:
             turns.append(Turn(item.role, item.content))
     return tuple(turns)
