@@ -23,8 +23,9 @@ class ConfigError(ValueError):
 # from after penalties, bias, bans, temperature and truncation (processed; truncated tokens get
 # -inf), as log probabilities or as the logits themselves. The sampler implements each mode.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-# Values of ModelConfig.quantization (None: the checkpoint's own).
+# Values of ModelConfig.quantization (None: the checkpoint's own) and CacheConfig.kv_cache_dtype.
 QUANTIZATION_METHODS = (None, "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 # What the engine serves: "generate" samples tokens; "embed" pools hidden states (no sampler);
 # "auto" picks from the architecture (encoders such as BertModel embed, decoders generate).
@@ -171,6 +172,9 @@ class CacheConfig:
     # Allocate the weights and the KV cache as tagged memory that sleep mode can release and
     # restore in place (CUDA virtual memory on a GPU; see pagoda/worker/tagged_memory.py).
     enable_sleep_mode: bool = False
+    # "auto": K/V in the model dtype; "fp8": e4m3 with per-tensor scales (the checkpoint's
+    # k_scale/v_scale, else 1), half the bytes per token.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -181,6 +185,10 @@ class CacheConfig:
             raise ConfigError(f"num_gpu_blocks must be >= 2 (one is the null block), got {self.num_gpu_blocks}")
         if self.cpu_kv_cache_gib <= 0:
             raise ConfigError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass

@@ -21,6 +21,19 @@ from dataclasses import dataclass
 
 import torch
 
+# The element type of an FP8 KV cache (`CacheConfig.kv_cache_dtype="fp8"`): K / k_scale and
+# V / v_scale in e4m3, half the bytes of a 16-bit cache, so the same pool holds twice the tokens.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type: the model's for "auto", e4m3 for "fp8"."""
+    return FP8_KV_DTYPE if kv_cache_dtype == "fp8" else model_dtype
+
+
+def is_fp8_kv_cache(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype == FP8_KV_DTYPE
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:

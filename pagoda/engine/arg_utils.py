@@ -25,7 +25,7 @@ from pagoda.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from pagoda.model.layers.quantization.config import resolve_quantization
+from pagoda.model.layers.quantization.config import check_kv_cache_dtype, resolve_quantization
 from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
 from pagoda.pooling.config import resolve_pooler_config, resolve_task
 
@@ -134,9 +134,11 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         raise ConfigError(
             "encoder-only models (BERT) run on one rank: tensor_parallel_size and pipeline_parallel_size must be 1"
         )
+    cache_config = CacheConfig(**split["cache_config"])
+    check_kv_cache_dtype(cache_config.kv_cache_dtype, torch.device(device_config.device))
     return EngineConfig(
         model_config=model_config,
-        cache_config=CacheConfig(**split["cache_config"]),
+        cache_config=cache_config,
         scheduler_config=scheduler_config,
         parallel_config=parallel_config,
         device_config=device_config,

@@ -74,6 +74,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: 16)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     engine.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=["auto", "fp8"],
+        help="fp8: K/V in e4m3 (twice the tokens per byte) (default: auto, the model dtype)",
+    )
+    engine.add_argument(
         "--disable-cascade-attn", action="store_true", help="never split attention over shared prefixes (cascade)"
     )
     engine.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests draw from it)")
@@ -121,6 +127,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_config",
         "pooler_config",
         "quantization",
+        "kv_cache_dtype",
     ):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)

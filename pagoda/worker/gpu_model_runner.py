@@ -30,6 +30,7 @@ from pagoda.kv_cache_interface import (
     KVCacheSpec,
     SlidingWindowSpec,
     get_kv_cache_config,
+    kv_cache_torch_dtype,
 )
 from pagoda.outputs import IntermediateTensors, LogprobsArrays, ModelRunnerOutput
 from pagoda.pooling.runner import make_pooler, pooling_output
@@ -145,6 +146,7 @@ class GPUModelRunner:
         self.scheduler_config = config.scheduler_config
         self.device = device
         self.dtype = self.model_config.dtype
+        self.kv_cache_dtype = kv_cache_torch_dtype(self.cache_config.kv_cache_dtype, self.dtype)
 
         self.max_num_reqs = self.scheduler_config.max_num_seqs
         self.max_num_tokens = self.scheduler_config.max_num_batched_tokens
@@ -260,7 +262,8 @@ class GPUModelRunner:
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """{layer name: what it keeps in the KV cache}, as the layers declare it."""
         return {
-            layer.layer_name: layer.get_kv_cache_spec(self.block_size, self.dtype) for layer in self._attention_layers()
+            layer.layer_name: layer.get_kv_cache_spec(self.block_size, self.kv_cache_dtype)
+            for layer in self._attention_layers()
         }
 
     def _init_kv_cache_groups(self, kv_cache_config: KVCacheConfig) -> None:

@@ -25,10 +25,15 @@ from model_utils import TINY_CONFIGS, VOCAB, allocate_kv_caches, build_attn_meta
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from pagoda.config import ConfigError, ModelConfig
+from pagoda import LLM, SamplingParams
+from pagoda.config import CacheConfig, ConfigError, ModelConfig
 from pagoda.model.layers.linear import RowParallelLinear, _ColumnShardedLinear
 from pagoda.model.layers.quantization import config as quant_config
-from pagoda.model.layers.quantization.config import build_quantization_config, resolve_quantization
+from pagoda.model.layers.quantization.config import (
+    build_quantization_config,
+    check_kv_cache_dtype,
+    resolve_quantization,
+)
 from pagoda.model.layers.quantization.fp8_ops import (
     FP8_DTYPE,
     dequantize,
@@ -121,6 +126,23 @@ def _compressed_tensors(strategy: str, static_input: bool) -> dict:
         "ignore": ["lm_head"],
     }
 
+
+def _with_kv_cache_scheme(quantization_config: dict) -> dict:
+    kv_scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    return dict(quantization_config, kv_cache_scheme=kv_scheme)
+
+
+def _per_channel_with_kv_scales(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-channel weights and, next to each layer's k_proj, its attention's k_scale / v_scale."""
+    tensors = _per_channel(name, weight)
+    if name.endswith("self_attn.k_proj.weight"):
+        prefix = name.removesuffix("k_proj.weight")
+        tensors[f"{prefix}k_scale"] = torch.tensor(KV_SCALES[0])
+        tensors[f"{prefix}v_scale"] = torch.tensor(KV_SCALES[1])
+    return tensors
+
+
+KV_SCALES = (0.25, 0.5)
 
 LAYOUTS = {
     "ct-tensor-static": (_compressed_tensors("tensor", static_input=True), _per_tensor),
@@ -254,3 +276,56 @@ def test_reference_fp8_linear_matches_its_definition():
     x_deq = (x / x_scale).to(FP8_DTYPE).float() * x_scale
     torch.testing.assert_close(out, x_deq @ dequantize(quantized, scale).T)
     assert float((out - x @ weight.T).norm() / (x @ weight.T).norm()) < 0.06
+
+
+def test_kv_cache_scales_load_onto_the_attention_layers(checkpoint, load_model, tmp_path):
+    quantization_config = _with_kv_cache_scheme(_compressed_tensors("channel", static_input=False))
+    path = _write_fp8_checkpoint(checkpoint, str(tmp_path / "kv"), quantization_config, _per_channel_with_kv_scales)
+    model = _load(load_model, path, quantization="fp8")
+    for layer in model.model.layers:
+        assert layer.self_attn.attn.impl.kv_scales == KV_SCALES
+
+
+@pytest.fixture(scope="module")
+def float_greedy(checkpoint) -> list[list[int]]:
+    llm = LLM(model=checkpoint, device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks=64, block_size=4)
+    return [out.outputs[0].token_ids for out in llm.generate(GREEDY_PROMPTS, GREEDY, use_tqdm=False)]
+
+
+GREEDY_PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(6 + i)] for i in range(6)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def test_engine_with_fp8_weights_and_fp8_kv_cache(checkpoint, float_greedy, tmp_path):
+    """End to end through LLM: a compressed-tensors checkpoint with KV scales, FP8 KV cache
+    (half the bytes per block), greedy tokens against the float32 model's."""
+    quantization_config = _with_kv_cache_scheme(_compressed_tensors("channel", static_input=False))
+    path = _write_fp8_checkpoint(checkpoint, str(tmp_path / "e2e"), quantization_config, _per_channel_with_kv_scales)
+    llm = LLM(
+        model=path,
+        device="cpu",
+        dtype="float32",
+        max_model_len=64,
+        num_gpu_blocks=64,
+        block_size=4,
+        kv_cache_dtype="fp8",
+    )
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    assert all(cache.dtype == FP8_DTYPE for cache in runner.kv_caches.values())
+    outputs = [out.outputs[0].token_ids for out in llm.generate(GREEDY_PROMPTS, GREEDY, use_tqdm=False)]
+    first_agree = sum(ours[0] == ref[0] for ours, ref in zip(outputs, float_greedy, strict=True)) / len(outputs)
+    agreed = [
+        next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), len(ours))
+        for ours, ref in zip(outputs, float_greedy, strict=True)
+    ]
+    print(f"FP8 weights + KV e2e: first-token agreement {first_agree:.2f}, tokens before divergence {agreed}")
+    assert first_agree >= MIN_TOP1_AGREEMENT
+    llm.llm_engine.check_idle()
+
+
+def test_bad_kv_cache_dtype_is_a_config_error(monkeypatch):
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, fp8, got 'int8'"):
+        CacheConfig(kv_cache_dtype="int8")
+    monkeypatch.setattr(quant_config.torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype 'fp8' needs a GPU of compute capability >= 8\.9"):
+        check_kv_cache_dtype("fp8", torch.device("cuda"))

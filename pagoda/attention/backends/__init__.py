@@ -64,6 +64,9 @@ class AttentionLayerImpl(abc.ABC):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # (k_scale, v_scale): a float8 KV cache holds K / k_scale and V / v_scale (the checkpoint's
+        # per-tensor scales, else 1); the layer sets them after loading.
+        self.kv_scales: tuple[float, float] = (1.0, 1.0)
 
     @abc.abstractmethod
     def forward(

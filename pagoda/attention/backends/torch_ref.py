@@ -22,17 +22,28 @@ import torch.nn.functional as F
 
 from pagoda.attention.backends import AttentionBackend, AttentionLayerImpl, AttentionLimits, CUDAGraphSupport
 from pagoda.attention.metadata import AttentionMetadata
-from pagoda.kv_cache_interface import AttentionSpec
+from pagoda.kv_cache_interface import AttentionSpec, is_fp8_kv_cache
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each token's K/V at its slot; slots < 0 (padding) write nowhere."""
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
+) -> None:
+    """Store each token's K/V at its slot; slots < 0 (padding) write nowhere. A float8 cache
+    stores K / k_scale and V / v_scale, saturated to e4m3's range."""
     slots = slot_mapping[: key.shape[0]]
     valid = slots >= 0
     idx = slots[valid]
     num_kv_heads, head_size = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_size)[idx] = key[valid]
-    kv_cache[1].view(-1, num_kv_heads, head_size)[idx] = value[valid]
+    if is_fp8_kv_cache(kv_cache):
+        fp8_max = torch.finfo(kv_cache.dtype).max
+        key = (key.float() / kv_scales[0]).clamp(-fp8_max, fp8_max)
+        value = (value.float() / kv_scales[1]).clamp(-fp8_max, fp8_max)
+    kv_cache[0].view(-1, num_kv_heads, head_size)[idx] = key[valid].to(kv_cache.dtype)
+    kv_cache[1].view(-1, num_kv_heads, head_size)[idx] = value[valid].to(kv_cache.dtype)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +68,7 @@ class TorchAttentionImpl(AttentionLayerImpl):
 
         Returns [T, H, D]; rows past the real tokens (padding) are zero.
         """
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, self.kv_scales)
         if metadata.cascade is not None:
             return self._cascade_forward(query, kv_cache, metadata)
         out = torch.zeros_like(query)
@@ -68,13 +79,24 @@ class TorchAttentionImpl(AttentionLayerImpl):
         if len(decode_rows):
             token_index = starts[decode_rows].to(query.device)
             row_seq_lens = seq_lens[decode_rows]
-            k, v = gather_kv(kv_cache, metadata.block_table[decode_rows.to(query.device)], int(row_seq_lens.max()))
+            k, v = self._gather_kv(
+                kv_cache, query.dtype, metadata.block_table[decode_rows.to(query.device)], int(row_seq_lens.max())
+            )
             out[token_index] = self._attend(query[token_index][:, None], k, v, row_seq_lens)[:, 0]
         for row in torch.nonzero(query_lens > 1).flatten().tolist():
             q_start, q_end, seq_len = int(starts[row]), int(starts[row + 1]), int(seq_lens[row])
-            k, v = gather_kv(kv_cache, metadata.block_table[row : row + 1], seq_len)
+            k, v = self._gather_kv(kv_cache, query.dtype, metadata.block_table[row : row + 1], seq_len)
             out[q_start:q_end] = self._attend(query[q_start:q_end][None], k, v, seq_lens[row : row + 1])[0]
         return out
+
+    def _gather_kv(
+        self, kv_cache: torch.Tensor, dtype: torch.dtype, block_table: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gather_kv`, a float8 cache's K and V multiplied back by their scales, in `dtype`."""
+        k, v = gather_kv(kv_cache, block_table, num_tokens)
+        if not is_fp8_kv_cache(kv_cache):
+            return k, v
+        return (k.float() * self.kv_scales[0]).to(dtype), (v.float() * self.kv_scales[1]).to(dtype)
 
     def _cascade_forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -90,7 +112,7 @@ class TorchAttentionImpl(AttentionLayerImpl):
         for row in torch.nonzero(starts[1:] > starts[:-1]).flatten().tolist():
             q_start, q_end, seq_len = int(starts[row]), int(starts[row + 1]), int(seq_lens[row])
             key_start = int(cascade.prefix_lens_cpu[row])
-            k, v = gather_kv(kv_cache, metadata.block_table[row : row + 1], seq_len)
+            k, v = self._gather_kv(kv_cache, query.dtype, metadata.block_table[row : row + 1], seq_len)
             o, row_lse = self._attend_with_lse(query[q_start:q_end][None], k, v, seq_lens[row : row + 1], key_start)
             out[q_start:q_end], lse[q_start:q_end] = o[0], row_lse[0]
         token_groups = cascade.token_groups_cpu[: metadata.num_actual_tokens]
@@ -98,7 +120,7 @@ class TorchAttentionImpl(AttentionLayerImpl):
             tokens = torch.nonzero(token_groups == group).flatten().to(query.device)
             prefix_len = int(cascade.group_prefix_lens_cpu[group])
             leader = int(cascade.group_leaders_cpu[group])
-            k, v = gather_kv(kv_cache, metadata.block_table[leader : leader + 1], prefix_len)
+            k, v = self._gather_kv(kv_cache, query.dtype, metadata.block_table[leader : leader + 1], prefix_len)
             # Every prefix key is visible to every query: one row of all the group's tokens.
             last = torch.tensor([prefix_len + len(tokens)])
             o, prefix_lse = self._attend_with_lse(query[tokens][None], k, v, last, causal=False)

@@ -113,7 +113,7 @@ class TritonAttentionImpl(AttentionLayerImpl):
 
         Rows of padding tokens (past query_start_loc[num_reqs]) are left uninitialized.
         """
-        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, self.kv_scales)
         out = torch.empty_like(query)
         if metadata.cascade is not None:
             assert metadata.workspace is not None and metadata.prefix_workspace is not None
@@ -129,6 +129,7 @@ class TritonAttentionImpl(AttentionLayerImpl):
                 metadata.prefix_workspace,
                 sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap,
+                kv_scales=self.kv_scales,
             )
             return out
         unified_attention(
@@ -141,6 +142,7 @@ class TritonAttentionImpl(AttentionLayerImpl):
             metadata.workspace,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            kv_scales=self.kv_scales,
         )
         return out
 

@@ -33,6 +33,7 @@ from pagoda.attention.ops.triton_unified_attention import (
     choose_num_kv_splits,
     unified_attention,
 )
+from pagoda.kv_cache_interface import is_fp8_kv_cache
 
 # Prefix tiles hold many requests' queries (x their GQA heads): each prefix tile of keys loaded
 # serves them all.
@@ -72,6 +73,7 @@ def _prefix_attention_kernel(
     max_groups,
     qk_scale,
     softcap_log2,
+    v_scale,
     stride_query_token,
     stride_query_head,
     stride_cache_block,
@@ -89,8 +91,9 @@ def _prefix_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
-    """Scores in the log2 domain, soft-cap as in the unified kernel."""
+    """Scores in the log2 domain, soft-cap and a float8 cache's scales as in the unified kernel."""
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -140,6 +143,9 @@ def _prefix_attention_kernel(
         kv_mask = key_valid[:, None] & dim_valid[None, :]
         k = tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFTCAP:
@@ -150,7 +156,8 @@ def _prefix_attention_kernel(
         p = tl.exp2(s - ref_max[:, None])
         alpha = tl.exp2(row_max - ref_max)
         row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        weights = p * v_scale if KV_FP8 else p
+        acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
 
     # A split past the prefix's last tile saw no key: lse -inf, output 0, weight 0 in the merge.
@@ -225,10 +232,12 @@ def cascade_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """out[t] = attention of query[t] [T, H, D], as `unified_attention` computes it, with the
     shared prefixes of `metadata.cascade` read once per group. Both workspaces need room for
-    T * their splits rows; padding rows of `out` are left untouched."""
+    T * their splits rows; padding rows of `out` are left untouched. kv_scales: a float8
+    cache's (k_scale, v_scale), as `unified_attention` takes them."""
     cascade = metadata.cascade
     if cascade is None:
         raise ValueError("cascade_attention needs metadata.cascade")
@@ -252,10 +261,14 @@ def cascade_attention(
         logits_soft_cap=logits_soft_cap,
         key_start=cascade.prefix_lens,
         partials_only=True,
+        kv_scales=kv_scales,
     )
     use_softcap = bool(logits_soft_cap)
     qk_scale = 2.0 * LOG2_E * scale / logits_soft_cap if use_softcap else scale * LOG2_E
     softcap_log2 = logits_soft_cap * LOG2_E if use_softcap else 0.0
+    kv_fp8 = is_fp8_kv_cache(kv_cache)
+    if kv_fp8:
+        qk_scale *= kv_scales[0]
     group = num_heads // num_kv_heads
     block_m, block_q = prefix_tile_rows(group)
     tile_n = PREFIX_TILES.tile_n if query.element_size() <= 2 else PREFIX_TILES.tile_n // 2
@@ -276,6 +289,7 @@ def cascade_attention(
         cascade.max_groups,
         qk_scale,
         softcap_log2,
+        kv_scales[1],
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
@@ -293,6 +307,7 @@ def cascade_attention(
         NUM_SPLITS=prefix_splits,
         USE_SOFTCAP=use_softcap,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_FP8=kv_fp8,
         num_warps=PREFIX_TILES.num_warps,
         num_stages=PREFIX_TILES.num_stages,
     )

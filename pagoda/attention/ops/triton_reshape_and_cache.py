@@ -3,6 +3,7 @@
 One program per token copies its [num_kv_heads, head_size] key and value to the token's slot
 (`block_id * block_size + offset`). Slots below zero are padding and write nothing, so a CUDA
 graph captured for a padded batch leaves every block, the null block 0 included, untouched.
+A float8 cache (kv_cache_dtype "fp8") gets K and V divided by their per-tensor scales.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagoda.kv_cache_interface import FP8_KV_DTYPE, is_fp8_kv_cache
+
+FP8_MAX: tl.constexpr = tl.constexpr(float(torch.finfo(FP8_KV_DTYPE).max))
 
 
 @triton.jit
@@ -26,11 +31,14 @@ def _reshape_and_cache_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    inv_k_scale,
+    inv_v_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEADS_PADDED: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -50,14 +58,24 @@ def _reshape_and_cache_kernel(
     value = tl.load(
         value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask
     )
+    if KV_FP8:
+        key = tl.clamp(key.to(tl.float32) * inv_k_scale, -FP8_MAX, FP8_MAX)
+        value = tl.clamp(value.to(tl.float32) * inv_v_scale, -FP8_MAX, FP8_MAX)
     tl.store(k_cache_ptr + cache_offset, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offset, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
-    """key/value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping[:T] (-1 = skip)."""
+    """key/value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping[:T] (-1 = skip).
+
+    A float8 cache stores key / k_scale and value / v_scale, `kv_scales` = (k_scale, v_scale),
+    saturated to e4m3's range."""
     num_tokens, num_kv_heads, head_size = key.shape
     if kv_cache.shape[-2:] != (num_kv_heads, head_size):
         raise ValueError(f"kv_cache heads/head_size {tuple(kv_cache.shape[-2:])} != key's {(num_kv_heads, head_size)}")
@@ -81,9 +99,12 @@ def reshape_and_cache(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        1.0 / kv_scales[0],
+        1.0 / kv_scales[1],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
         HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HEAD_SIZE_PADDED=triton.next_power_of_2(head_size),
         BLOCK_SIZE=kv_cache.shape[2],
+        KV_FP8=is_fp8_kv_cache(kv_cache),
     )

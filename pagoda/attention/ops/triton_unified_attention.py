@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.kv_cache_interface import is_fp8_kv_cache
 
 # Split-K planning: up to this many programs per streaming multiprocessor (on an H200, decode
 # bandwidth peaked near 4 x 132 programs at every batch size from 1 to 64), never cut a
@@ -95,6 +96,7 @@ def _paged_attention_kernel(
     num_reqs,
     qk_scale,
     softcap_log2,
+    v_scale,
     stride_query_token,
     stride_query_head,
     stride_out_token,
@@ -117,13 +119,16 @@ def _paged_attention_kernel(
     HAS_KEY_START: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Scores are q.k * qk_scale, in the log2 domain. With USE_SOFTCAP, qk_scale is
     2 * log2(e) * scale / cap and softcap_log2 is cap * log2(e), so that the capped score
     cap * tanh(x) * log2(e), x = q.k * scale / cap, costs one exp2 (see below).
     HAS_KEY_START: request i reads keys from key_start[i] on (a cascade's suffix pass).
     WRITE_PARTIAL: every split writes its normalized output and log-sum-exp to the partial
-    buffers (split-K, or a cascade's caller merging them), none to out_ptr."""
+    buffers (split-K, or a cascade's caller merging them), none to out_ptr.
+    KV_FP8: the cache holds float8 K/V, K's per-tensor scale folded into qk_scale by the caller
+    and V's (v_scale) into the probabilities each V tile is weighted by."""
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -192,6 +197,9 @@ def _paged_attention_kernel(
         kv_mask = key_valid[:, None] & dim_valid[None, :]
         k = tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFTCAP:
@@ -210,7 +218,8 @@ def _paged_attention_kernel(
         p = tl.exp2(s - ref_max[:, None])
         alpha = tl.exp2(row_max - ref_max)
         row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        weights = p * v_scale if KV_FP8 else p
+        acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
 
     safe_sum = tl.where(row_sum == 0.0, 1.0, row_sum)
@@ -322,6 +331,7 @@ def unified_attention(
     logits_soft_cap: float | None = None,
     key_start: torch.Tensor | None = None,
     partials_only: bool = False,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """out[t] = causal paged attention of query[t] [T, H, D] over kv_cache [2, blocks, block_size, Hkv, D].
 
@@ -334,6 +344,7 @@ def unified_attention(
     key_start [num_reqs] int32 (a cascade's suffix pass): request i reads keys from key_start[i]
     on. partials_only: leave every row's num_splits normalized parts and log-sum-exps (base 2)
     in the workspace, laid out [T, H, num_splits], for the caller to merge; out is untouched.
+    A float8 kv_cache holds K / k_scale and V / v_scale, `kv_scales` = (k_scale, v_scale).
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[-2]
@@ -355,6 +366,9 @@ def unified_attention(
     use_softcap = bool(logits_soft_cap)
     qk_scale = 2.0 * LOG2_E * scale / logits_soft_cap if use_softcap else scale * LOG2_E
     softcap_log2 = logits_soft_cap * LOG2_E if use_softcap else 0.0
+    kv_fp8 = is_fp8_kv_cache(kv_cache)
+    if kv_fp8:
+        qk_scale *= kv_scales[0]
     group = num_heads // num_kv_heads
     tiles = DECODE_TILES if metadata.max_query_len <= 1 else PREFILL_TILES
     block_m = max(tiles.min_rows, triton.next_power_of_2(group))
@@ -380,6 +394,7 @@ def unified_attention(
         metadata.num_reqs,
         qk_scale,
         softcap_log2,
+        kv_scales[1],
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -402,6 +417,7 @@ def unified_attention(
         HAS_KEY_START=key_start is not None,
         WRITE_PARTIAL=write_partial,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_FP8=kv_fp8,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

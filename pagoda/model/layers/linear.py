@@ -21,7 +21,7 @@ from torch import nn
 
 from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from pagoda.model.layers.quantization.base import LinearShape, ScaleLayout, current_linear_method
-from pagoda.model.layers.weight_utils import CheckpointWeight, copy_weight, narrow_weight
+from pagoda.model.layers.weight_utils import CheckpointWeight, copy_weight, narrow_weight, whole_weight
 
 ShardId = int | str | None
 
@@ -36,15 +36,11 @@ def _new_parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def _whole(weight: CheckpointWeight) -> torch.Tensor:
-    return weight if isinstance(weight, torch.Tensor) else weight.materialize()
-
-
 def _copy_per_shard_scalar(param: nn.Parameter, index: int, loaded_weight: CheckpointWeight) -> None:
     """A per-tensor scale (shape [] or [1] in checkpoints) into entry `index` of `param`."""
     if loaded_weight.shape.numel() != 1:
         raise ValueError(f"expected a per-tensor scale (one element), got shape {tuple(loaded_weight.shape)}")
-    copy_weight(param.data.narrow(0, index, 1), _whole(loaded_weight).reshape(1))
+    copy_weight(param.data.narrow(0, index, 1), whole_weight(loaded_weight).reshape(1))
 
 
 def _build_weights(layer: nn.Module, shape: LinearShape) -> None:

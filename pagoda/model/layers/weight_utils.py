@@ -42,6 +42,11 @@ def narrow_weight(weight: CheckpointWeight, dim: int, start: int, length: int) -
     return weight.narrow(dim, start, length)
 
 
+def whole_weight(weight: CheckpointWeight) -> torch.Tensor:
+    """The whole tensor: `weight` itself, or a lazy one read from its file."""
+    return weight if isinstance(weight, torch.Tensor) else weight.materialize()
+
+
 def copy_weight(dst: torch.Tensor, src: CheckpointWeight) -> None:
     """Copy `src` into `dst` (any device/dtype); raise ValueError if the shapes differ.
 

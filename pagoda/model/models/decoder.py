@@ -29,6 +29,7 @@ from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagoda.model.layers.quantization.kv_cache import is_kv_scale, load_kv_scale
 from pagoda.model.layers.rotary import RotaryEmbedding, rope_settings, rotate_qkv
 from pagoda.model.layers.weight_utils import default_weight_loader
 from pagoda.outputs import IntermediateTensors
@@ -281,6 +282,10 @@ class DecoderForCausalLM(nn.Module):
             if name == TIED_EMBEDDING and name not in params and self.tie_word_embeddings:
                 name = "lm_head.weight"  # a last stage without the embedding still needs its rows
             if name.startswith(self._other_stage_prefixes):
+                continue
+            if name not in params and is_kv_scale(name):
+                load_kv_scale(self, name, tensor)
+                loaded.add(hf_name)
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint weight {hf_name!r} has no parameter in {type(self).__name__}")

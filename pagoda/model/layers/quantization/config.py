@@ -44,6 +44,15 @@ def resolve_quantization(
     return quantization
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
+    """An FP8 KV cache needs e4m3 conversions in the attention kernels: sm_89 and newer."""
+    if kv_cache_dtype == "fp8" and not fp8_supported(device):
+        capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ConfigError(
+            f"kv_cache_dtype 'fp8' needs a GPU of compute capability >= 8.9 (Ada, Hopper), this one is {capability}"
+        )
+
+
 def build_quantization_config(quantization: str | None, hf_config: Any, load_format: str) -> QuantizationConfig | None:
     """The layers' quantization: the checkpoint's FP8 layout where it publishes one (except for
     dummy weights, which are drawn in the model dtype), else FP8 quantized at load if asked."""
