@@ -79,18 +79,21 @@ def test_word_rows_pick_each_entry_s_mask(dtype: torch.dtype) -> None:
 
 
 def test_the_triton_kernel_masks_as_the_torch_path() -> None:
+    """On CUDA when there is one, else under Triton's interpreter on the CPU."""
     if not triton_bitmask.available():
         pytest.skip("triton is not installed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     for dtype in (torch.float32, torch.bfloat16):
-        expected, mask, _ = mask_case(dtype)
-        logits = expected.clone()
-        apply_token_bitmask(expected, mask)
-        triton_bitmask.apply_token_bitmask_triton(logits, mask.rows, mask.words, mask.word_rows)
-        assert torch.equal(logits, expected)
-        identity = TokenBitmask(mask.rows, mask.words[[2, 0]])
-        logits = mask_case(dtype)[0]
-        triton_bitmask.apply_token_bitmask_triton(logits, identity.rows, identity.words, None)
-        assert torch.equal(logits, expected)
+        logits, mask, _ = mask_case(dtype)
+        expected = logits.clone()
+        apply_token_bitmask(expected, mask)  # the torch path, on the CPU
+        rows, words, word_rows = (t.to(device) for t in (mask.rows, mask.words, mask.word_rows))
+        masked = logits.to(device)
+        triton_bitmask.apply_token_bitmask_triton(masked, rows, words, word_rows)
+        assert torch.equal(masked.cpu(), expected)
+        masked = logits.to(device)
+        triton_bitmask.apply_token_bitmask_triton(masked, rows, words[[2, 0]], None)
+        assert torch.equal(masked.cpu(), expected)
 
 
 def test_masks_alone_apply_in_place_in_the_logits_dtype(device: str) -> None:
