@@ -11,6 +11,11 @@ _scaled_mm) against the same reference.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -131,3 +136,80 @@ def test_fp8_linear_on_gpu_matches_reference(m, n, k, block_size):
     graph.replay()
     torch.testing.assert_close(replayed, out, atol=0, rtol=0)
     assert x_q.dtype == FP8_DTYPE and x_scale.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """Triton's own compiler (not the interpreter) takes the FP8 kernels, and the attention
+    kernels with an FP8 cache, down to PTX for sm_90 with FP8 tensor-core dots where x is FP8;
+    in a process of its own (the interpreter leaves triton.language patched once it has run)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_fp8_gemm; test_fp8_gemm.compile_for_hopper()"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def compile_for_hopper() -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagoda.attention.ops import triton_reshape_and_cache, triton_unified_attention
+    from pagoda.model.ops import triton_fp8_gemm
+
+    target = GPUTarget("cuda", 90, 32)
+    i32, f32 = "i32", "fp32"
+
+    def build(fn, signature, constants, **options):
+        signature = {**signature, **dict.fromkeys(constants, "constexpr")}
+        return triton.compile(ASTSource(fn, signature, constants), target=target, options=options)
+
+    gemm = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
+    gemm |= {"bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    gemm |= dict.fromkeys(("M", "N", "K", "stride_xm", "stride_wn", "stride_xsm", "stride_wsn", "stride_om"), i32)
+    for x_type, (scale_n, scale_k) in [("*bf16", (1, 0)), ("*fp8e4nv", (1, 0)), ("*fp8e4nv", (128, 128))]:
+        for m in (16, 64, 4096):
+            config = triton_fp8_gemm.fp8_gemm_config(m, 4096, 4096, scale_k)
+            constants = {"X_FP8": x_type == "*fp8e4nv", "SCALE_BLOCK_N": scale_n, "SCALE_BLOCK_K": scale_k}
+            constants |= {"HAS_BIAS": False, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
+            constants |= {"BLOCK_K": config.block_k}
+            kernel = build(
+                triton_fp8_gemm._fp8_gemm_kernel,
+                {**gemm, "x_ptr": x_type},
+                constants,
+                num_warps=config.num_warps,
+                num_stages=config.num_stages,
+            )
+            if x_type == "*fp8e4nv":
+                assert "e4m3" in kernel.asm["ptx"]  # FP8 tensor-core dots (wgmma/mma .e4m3)
+    gemv = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    gemv |= dict.fromkeys(("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_wsn", "stride_om"), i32)
+    for scale_n, scale_k in ((1, 0), (128, 128)):
+        config = triton_fp8_gemm.default_gemv_config(4096, 14336, scale_k, 132)
+        constants = {"SCALE_BLOCK_N": scale_n, "SCALE_BLOCK_K": scale_k, "HAS_BIAS": True, "WRITE_PARTIALS": True}
+        constants |= {"DOT_IN_FP32": False, "BLOCK_M": triton_fp8_gemm.GEMV_MAX_TOKENS}
+        constants |= {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
+        build(triton_fp8_gemm._fp8_gemv_kernel, gemv, constants, num_warps=config.num_warps)
+    quant = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_xm": i32, "stride_om": i32}
+    quant |= {"GROUP": i32, "num_groups": i32, "FP8_MAX_VALUE": f32, "MIN_SCALE_VALUE": f32}
+    build(triton_fp8_gemm._quantize_rows_kernel, quant, {"BLOCK": 1024})
+    cache = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    cache |= {"slot_mapping_ptr": "*i64", "inv_k_scale": f32, "inv_v_scale": f32}
+    names = ("key_token", "key_head", "value_token", "value_head", "cache_block", "cache_slot", "cache_head")
+    cache |= {f"stride_{name}": i32 for name in names}
+    constants = {"NUM_KV_HEADS": 8, "HEAD_SIZE": 128, "HEADS_PADDED": 8, "HEAD_SIZE_PADDED": 128}
+    build(triton_reshape_and_cache._reshape_and_cache_kernel, cache, constants | {"BLOCK_SIZE": 16, "KV_FP8": True})
+    attention = {name: "*bf16" for name in ("out_ptr", "query_ptr")}
+    attention |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"}
+    attention |= {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "block_table_ptr": "*i32"}
+    attention |= {"seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "key_start_ptr": "*i32"}
+    attention |= {"num_reqs": i32, "qk_scale": f32, "softcap_log2": f32, "v_scale": f32}
+    strides = ("query_token", "query_head", "out_token", "out_head", "cache_block", "cache_slot", "cache_head")
+    attention |= {f"stride_{name}": i32 for name in (*strides, "block_table")}
+    tiles = triton_unified_attention.DECODE_TILES
+    constants = {"NUM_HEADS": 32, "GROUP": 4, "HEAD_SIZE": 128, "HEAD_SIZE_PADDED": 128, "BLOCK_SIZE": 16}
+    constants |= {"BLOCK_Q": max(tiles.min_rows, 4) // 4, "BLOCK_M": max(tiles.min_rows, 4), "TILE_N": tiles.tile_n}
+    constants |= {"NUM_SPLITS": 4, "SLIDING_WINDOW": 0, "USE_SOFTCAP": False, "HAS_KEY_START": False}
+    constants |= {"WRITE_PARTIAL": True, "DOT_PRECISION": "tf32", "KV_FP8": True}
+    build(triton_unified_attention._paged_attention_kernel, attention, constants, num_warps=tiles.num_warps)
