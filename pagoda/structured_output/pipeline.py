@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,19 +41,18 @@ from pagoda.structured_output.host_flag import HostFlag
 from pagoda.structured_output.state import GrammarBatch, GrammarState, allocate_bitmask
 
 
-@dataclass(frozen=True)
-class SampledGrammarRow:
+class SampledGrammarRow(NamedTuple):
     """A row of a queued step whose grammar advances over the step's tokens: `index` is its row
     among the step's sampled ids ([rows, n], -1 past a row's last), `output_index` the place in
-    the request's output of its first new token (a grammar not exactly there is left alone)."""
+    the request's output of its first new token (a grammar not exactly there is left alone).
+    Tuples, as MaskRequest: a step makes one per constrained row, hundreds, on the loop."""
 
     state: GrammarState
     index: int
     output_index: int
 
 
-@dataclass(frozen=True)
-class MaskRequest:
+class MaskRequest(NamedTuple):
     """A constrained row about to sample: its first row among the logits and its drafts (a
     verify step samples after each; the mask of position i follows drafts 0 .. i-1)."""
 
@@ -316,9 +316,10 @@ class GrammarPipeline:
         device buffers; on the CPU the host buffers themselves, once the job is joined."""
         num = len(entries)
         index = buffers.index
-        index[:, :num] = torch.tensor(entries, dtype=torch.int64).T
-        identity = all(word_row == i for i, (_, word_row) in enumerate(entries))
-        num_words = 1 + max(word_row for _, word_row in entries)
+        staged = index.numpy()[:, :num]
+        staged[:] = np.array(entries, dtype=np.int64).T
+        identity = bool((staged[1] == np.arange(num)).all())
+        num_words = 1 + int(staged[1].max())
         if self._stream is None:
             self.join()
             return TokenBitmask(
