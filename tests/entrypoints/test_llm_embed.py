@@ -113,3 +113,13 @@ def test_pooler_config_is_checked(checkpoint) -> None:
         LLM(checkpoint[0], task="embed", pooler_config={"pooling_type": "MAX"}, **ENGINE_ARGS)
     with pytest.raises(ConfigError, match="pooler_config is for embedding models"):
         LLM(checkpoint[0], pooler_config={"pooling_type": "MEAN"}, **ENGINE_ARGS)
+
+
+@pytest.mark.gpu
+def test_last_token_embeddings_on_cuda_match_hf(checkpoint) -> None:
+    """The Triton attention path (bfloat16, eager: pooling runs no CUDA graph) against HF in float32."""
+    path, hf_model = checkpoint
+    with LLM(path, task="embed", device="cuda", dtype="bfloat16", max_num_batched_tokens=32) as llm:
+        outputs = llm.embed(PROMPTS, use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert cosine(output.outputs.embedding, hf_last_token_embedding(hf_model, prompt)) > 0.999

@@ -75,3 +75,13 @@ def test_long_inputs_are_refused_or_truncated(llm: LLM) -> None:
     # Within max_model_len but over the step's 24 tokens: an encoder cannot split a prompt.
     with pytest.raises(InvalidRequestError, match="max_num_batched_tokens = 24"):
         llm.embed(" ".join(["cat"] * 30), use_tqdm=False)
+
+
+@pytest.mark.gpu
+def test_bert_on_cuda_matches_sentence_transformers(checkpoint) -> None:
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    reference = sentence_transformers.SentenceTransformer(checkpoint[0], device="cpu").encode(TEXTS)
+    with LLM(checkpoint[0], device="cuda", dtype="float32", max_num_batched_tokens=24) as llm:
+        outputs = llm.embed(TEXTS, use_tqdm=False)
+    for output, expected in zip(outputs, reference, strict=True):
+        assert cosine(output.outputs.embedding, expected) > 1 - 1e-4
