@@ -26,11 +26,13 @@ pytest.importorskip("triton")  # conftest.py turns on its interpreter when there
 
 from pagoda.model.ops.triton_fused_moe import (
     CONFIG_TABLE,
+    SHARED_MEMORY_BYTES,
     GemmConfig,
     MoeConfig,
     fused_experts,
     moe_align_block_size,
     moe_config,
+    stages_that_fit,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,6 +160,19 @@ def test_config_table_is_chosen_by_rows_per_expert():
     assert moe_config(256, 2, 8) is not moe_config(1, 2, 8)  # Mixtral: 64 rows per expert at 256 tokens
     with pytest.raises(ValueError, match="block_m"):
         MoeConfig(24, GemmConfig(16, 16), GemmConfig(16, 16))
+
+
+def test_float32_tiles_take_fewer_stages_to_fit_shared_memory():
+    """The table is sized for 16-bit weights; the GPU's float32 runs (the HF comparisons) once
+    asked for 240 KiB of an H200's 227 KiB."""
+    for _, config in CONFIG_TABLE:
+        for gemm, gated in ((config.gate_up, True), (config.down, False)):
+            assert stages_that_fit(config.block_m, gemm, gated, 2) == gemm.num_stages
+            stages = stages_that_fit(config.block_m, gemm, gated, 4)
+            stage_bytes = (config.block_m + (2 if gated else 1) * gemm.block_n) * gemm.block_k * 4
+            assert 1 <= stages <= gemm.num_stages and stages * stage_bytes <= SHARED_MEMORY_BYTES
+    decode = CONFIG_TABLE[0][1]
+    assert stages_that_fit(decode.block_m, decode.gate_up, True, 4) < decode.gate_up.num_stages
 
 
 # (num_experts, top_k, hidden, intermediate): Qwen3-30B-A3B, Mixtral-8x7B, Mixtral at TP 2

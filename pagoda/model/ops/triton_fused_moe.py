@@ -78,6 +78,18 @@ CONFIG_TABLE: tuple[tuple[float, MoeConfig], ...] = (
 )
 
 
+# Shared memory a program's pipeline stages may take: an H200 block gets 227 KiB.
+SHARED_MEMORY_BYTES = 200 * 1024
+
+
+def stages_that_fit(block_m: int, config: GemmConfig, gated: bool, element_size: int) -> int:
+    """`config.num_stages`, fewer where one stage's tiles (a's rows, and W's gate and up columns)
+    of `element_size`-byte elements would overflow the shared memory: the table is sized for
+    16-bit weights, so float32 runs deepen nothing and fit."""
+    stage_bytes = (block_m + (2 if gated else 1) * config.block_n) * config.block_k * element_size
+    return max(1, min(config.num_stages, SHARED_MEMORY_BYTES // stage_bytes))
+
+
 def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
     """The table's config for `num_tokens` tokens each routed to `top_k` of `num_experts` experts."""
     rows_per_expert = num_tokens * top_k / num_experts
@@ -301,7 +313,7 @@ def _grouped_gemm(
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=stages_that_fit(block_m, config, gated, a.element_size()),
     )
 
 
