@@ -192,3 +192,21 @@ def save_random_checkpoint(config: PretrainedConfig, path: str, seed: int = 1234
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_(hf_model)
     hf_model.save_pretrained(path)
+
+
+def save_unit_gain_checkpoint(config: PretrainedConfig, path: str, seed: int = 0) -> None:
+    """Save a tiny HF model of `config` with weights scaled like a trained model's: each matrix
+    N(0, 1 / fan_in), so a layer neither grows nor shrinks its input (gain about 1); embeddings
+    N(0, 1), norms in [0.5, 1.5]. Unlike `randomize_`, small perturbations (FP8 rounding) stay
+    small through the layers, so quantized logits can be compared with a tolerance."""
+    torch.manual_seed(seed)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif param.ndim >= 2 and "embed" not in name:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+            else:
+                param.normal_(0.0, 1.0)
+    hf_model.save_pretrained(path)

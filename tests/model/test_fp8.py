@@ -9,9 +9,9 @@ KV path on the CPU's reference FP8 numerics (activations through FP8 too).
 Tolerance: FP8 e4m3 keeps 3 mantissa bits, so each linear's output is off by about 3-4 %
 (relative L2) and the logits of the two-layer model by about 6 %; the test allows a relative
 L2 error of LOGIT_REL_TOL and asks greedy top-1 agreement of at least MIN_TOP1_AGREEMENT
-(measured: 0.91 quantized at load). The weights are scaled like a trained model's (gain about
-1 per layer) rather than `randomize_`'s, whose amplification would turn FP8 rounding into
-different tokens.
+(measured: 0.91 quantized at load). The weights are scaled like a trained model's
+(`save_unit_gain_checkpoint`) rather than `randomize_`'s, whose amplification would turn FP8
+rounding into different tokens.
 """
 
 from __future__ import annotations
@@ -21,9 +21,15 @@ import os
 
 import pytest
 import torch
-from model_utils import TINY_CONFIGS, VOCAB, allocate_kv_caches, build_attn_metadata, forward_context
+from model_utils import (
+    TINY_CONFIGS,
+    VOCAB,
+    allocate_kv_caches,
+    build_attn_metadata,
+    forward_context,
+    save_unit_gain_checkpoint,
+)
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import CacheConfig, ConfigError, ModelConfig
@@ -58,17 +64,7 @@ def _is_linear(name: str) -> bool:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("fp8_llama"))
-    torch.manual_seed(0)
-    hf_model = AutoModelForCausalLM.from_config(TINY_CONFIGS["llama3"], dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            elif param.ndim == 2 and "embed" not in name:
-                param.normal_(0.0, param.shape[1] ** -0.5)
-            else:
-                param.normal_(0.0, 1.0)
-    hf_model.save_pretrained(path)
+    save_unit_gain_checkpoint(TINY_CONFIGS["llama3"], path)
     return path
 
 

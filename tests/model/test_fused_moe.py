@@ -9,6 +9,7 @@ expert shapes from 1 to 8k tokens in bf16 and replays the kernel from a CUDA gra
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -262,19 +263,28 @@ def compile_for_hopper() -> None:
     place |= dict.fromkeys(("BLOCK_M", "EXPERTS_PAD", "BLOCK"), "constexpr")
     constants = {"BLOCK_M": 16, "EXPERTS_PAD": 128, "BLOCK": 256}
     triton.compile(ASTSource(triton_fused_moe._place_rows_kernel, place, constants), target=target)
-    gemm = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "routed_weights_ptr": "*fp32"}
+    gemm = {
+        "a_ptr": "*bf16",
+        "w_ptr": "*bf16",
+        "w_scale_ptr": "*fp32",
+        "out_ptr": "*bf16",
+        "routed_weights_ptr": "*fp32",
+    }
     gemm |= dict.fromkeys(("sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr"), pointer)
     gemm |= dict.fromkeys(("num_rows", "N", "K", "a_rows_per_token", "stride_am", "stride_we", "stride_wn"), index)
-    gemm["stride_om"] = index
+    gemm["stride_wse"] = gemm["stride_om"] = index
     flags = ("GATED", "MUL_ROUTED_WEIGHT", "INPUT_PRECISION", "DOT_IN_FP32", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
+    flags += ("W_FP8",)
     gemm |= dict.fromkeys(flags, "constexpr")
-    for _, config in CONFIG_TABLE:
+    # FP8 experts (W_FP8, quantization="fp8") take the same table
+    for (_, config), w_fp8 in itertools.product(CONFIG_TABLE, (False, True)):
+        signature = gemm | {"w_ptr": "*fp8e4nv" if w_fp8 else "*bf16"}
         for gated, tiling in ((True, config.gate_up), (False, config.down)):
             constants = {"GATED": gated, "MUL_ROUTED_WEIGHT": not gated, "INPUT_PRECISION": "tf32"}
             constants |= {"DOT_IN_FP32": False, "BLOCK_M": config.block_m, "BLOCK_N": tiling.block_n}
-            constants |= {"BLOCK_K": tiling.block_k, "GROUP_M": tiling.group_m}
+            constants |= {"BLOCK_K": tiling.block_k, "GROUP_M": tiling.group_m, "W_FP8": w_fp8}
             options = {"num_warps": tiling.num_warps, "num_stages": tiling.num_stages}
             kernel = triton.compile(
-                ASTSource(triton_fused_moe._fused_moe_kernel, gemm, constants), target=target, options=options
+                ASTSource(triton_fused_moe._fused_moe_kernel, signature, constants), target=target, options=options
             )
             assert "mma" in kernel.asm["ptx"]  # tensor-core dots

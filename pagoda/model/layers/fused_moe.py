@@ -27,6 +27,7 @@ from torch import nn
 from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from pagoda.model import ops
 from pagoda.model.layers.linear import divide
+from pagoda.model.layers.quantization.base import current_moe_method
 from pagoda.model.layers.weight_utils import CheckpointWeight, copy_weight, narrow_weight
 
 if ops.TRITON_AVAILABLE:
@@ -121,6 +122,10 @@ class FusedMoEMethod(ABC):
     ) -> torch.Tensor:
         """This rank's weighted sum of the routed experts' outputs [T, H], before the all-reduce."""
 
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        """Convert the loaded weights into the kernel's form (quantize), once after loading."""
+        del layer
+
 
 class UnquantizedFusedMoEMethod(FusedMoEMethod):
     """Weights in the model dtype: `w13_weight` [E, 2I/tp, H] and `w2_weight` [E, H, I/tp]."""
@@ -160,8 +165,11 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.intermediate_per_rank = divide(intermediate_size, self.tp_size)
         self.names = names
-        self.method = method or UnquantizedFusedMoEMethod()
+        self.method = method or current_moe_method() or UnquantizedFusedMoEMethod()
         self.method.create_weights(self)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: ExpertShard) -> None:
         """Copy this rank's slice of one checkpoint tensor (see `ExpertShard`) into `param`."""

@@ -43,13 +43,20 @@ def _copy_per_shard_scalar(param: nn.Parameter, index: int, loaded_weight: Check
     copy_weight(param.data.narrow(0, index, 1), whole_weight(loaded_weight).reshape(1))
 
 
-def _build_weights(layer: nn.Module, shape: LinearShape) -> None:
-    """Let the layer's linear method register its parameters, each loaded by the layer's loader."""
-    layer.linear_shape = shape
-    layer.quant_method = current_linear_method()
-    layer.quant_method.create_weights(layer, shape)
-    for param in layer.parameters(recurse=False):
-        param.weight_loader = layer.weight_loader
+class LinearBase(nn.Module):
+    """What every linear layer shares: a `quant_method` from the quantization in effect while the
+    model is built, which registers the weights and converts them once loaded."""
+
+    def _build_weights(self, shape: LinearShape) -> None:
+        """Let the linear method register its parameters, each loaded by this layer's loader."""
+        self.linear_shape = shape
+        self.quant_method = current_linear_method()
+        self.quant_method.create_weights(self, shape)
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
 
 
 class RankSlice(NamedTuple):
@@ -64,7 +71,7 @@ class RankSlice(NamedTuple):
 _WEIGHT_LAYOUT = ScaleLayout()
 
 
-class _ColumnShardedLinear(nn.Module):
+class _ColumnShardedLinear(LinearBase):
     """y = x W^T + b with W's output rows split across ranks; the output stays sharded.
 
     `shards` maps each checkpoint tensor merged into this layer (its `shard_id`), in output
@@ -80,7 +87,7 @@ class _ColumnShardedLinear(nn.Module):
         for shard_id, rank_slice in shards.items():
             self.shard_offsets[shard_id] = offset
             offset += rank_slice.rows
-        _build_weights(self, LinearShape(input_size, tuple(rank_slice.rows for rank_slice in shards.values())))
+        self._build_weights(LinearShape(input_size, tuple(rank_slice.rows for rank_slice in shards.values())))
         if bias:
             self.bias = _new_parameter(offset)
             self.bias.weight_loader = self.weight_loader
@@ -152,7 +159,7 @@ class QKVParallelLinear(_ColumnShardedLinear):
         self.q_size, self.kv_size = q_size, kv_size
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """y = x W^T + b with W's input columns split across ranks; partial sums are all-reduced.
 
     The input arrives already sharded (the output of a column-parallel layer). The bias is
@@ -163,7 +170,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size_per_rank = divide(input_size, self.tp_size)
-        _build_weights(self, LinearShape(self.input_size_per_rank, (output_size,)))
+        self._build_weights(LinearShape(self.input_size_per_rank, (output_size,)))
         if bias:
             self.bias = _new_parameter(output_size)
             self.bias.weight_loader = self.weight_loader

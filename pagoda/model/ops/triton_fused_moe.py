@@ -194,6 +194,7 @@ def moe_align_block_size(
 def _fused_moe_kernel(
     a_ptr,
     w_ptr,
+    w_scale_ptr,
     out_ptr,
     routed_weights_ptr,
     sorted_ids_ptr,
@@ -206,6 +207,7 @@ def _fused_moe_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_wse,
     stride_om,
     GATED: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -215,11 +217,14 @@ def _fused_moe_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    W_FP8: tl.constexpr,
 ):
     """out[row] = a[row // a_rows_per_token] @ W[expert]^T for the sorted rows of one block.
 
     GATED: W holds gate rows [0, N) and up rows [N, 2N); out = silu(gate) * up.
-    MUL_ROUTED_WEIGHT: out is scaled by the row's routing weight."""
+    MUL_ROUTED_WEIGHT: out is scaled by the row's routing weight.
+    W_FP8: W is float8 with a float32 scale per expert and row (w_scale [E, rows]): each tile is
+    converted to a's dtype for the dot, the accumulators scaled by their columns' scales."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N))
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -253,15 +258,24 @@ def _fused_moe_kernel(
         if DOT_IN_FP32:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
+        elif W_FP8:
+            w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
         if GATED:
             up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if DOT_IN_FP32:
                 up = up.to(tl.float32)
+            elif W_FP8:
+                up = up.to(a.dtype)
             acc_up = tl.dot(a, up, acc_up, input_precision=INPUT_PRECISION)
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if W_FP8:
+        scale_ptrs = w_scale_ptr + expert * stride_wse + offs_n
+        acc = acc * tl.load(scale_ptrs, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scale_ptrs + N, mask=n_mask, other=0.0)[None, :]
     if GATED:
         acc = tl.math.div_rn(acc, 1.0 + tl.exp(-acc)) * acc_up
     if MUL_ROUTED_WEIGHT:
@@ -280,6 +294,7 @@ def _grouped_gemm(
     gated: bool,
     block_m: int,
     config: GemmConfig,
+    weight_scale: torch.Tensor | None = None,
 ) -> None:
     sorted_ids, expert_ids, num_padded = alignment
     n = weight.shape[1] // 2 if gated else weight.shape[1]
@@ -291,6 +306,7 @@ def _grouped_gemm(
     _fused_moe_kernel[grid](
         a,
         weight,
+        weight if weight_scale is None else weight_scale,
         out,
         out if routed_weights is None else routed_weights,
         sorted_ids,
@@ -303,6 +319,7 @@ def _grouped_gemm(
         a.stride(0),
         weight.stride(0),
         weight.stride(1),
+        0 if weight_scale is None else weight_scale.stride(0),
         out.stride(0),
         GATED=gated,
         MUL_ROUTED_WEIGHT=routed_weights is not None,
@@ -312,6 +329,7 @@ def _grouped_gemm(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
+        W_FP8=weight_scale is not None,
         num_warps=config.num_warps,
         num_stages=stages_that_fit(block_m, config, gated, a.element_size()),
     )
@@ -324,12 +342,16 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoeConfig | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
 
     hidden_states [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights
     [T, k] (float32 or the model dtype) and topk_ids [T, k] (int32 or int64) from the router.
-    Returns [T, H] in the dtype of hidden_states; `config` overrides `moe_config`'s choice."""
+    Returns [T, H] in the dtype of hidden_states; `config` overrides `moe_config`'s choice.
+    FP8 experts: w13 and w2 float8_e4m3fn with float32 scales per expert and row, w13_scale
+    [E, 2I] and w2_scale [E, H] (weight-only: the activations stay in their dtype)."""
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [tokens, hidden], got shape {tuple(hidden_states.shape)}")
     num_tokens, hidden = hidden_states.shape
@@ -342,9 +364,19 @@ def fused_experts(
         raise ValueError(
             f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [{num_tokens}, k]"
         )
-    if hidden_states.dtype not in DTYPES or w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
+    fp8 = w13_scale is not None
+    if fp8 != (w2_scale is not None):
+        raise ValueError("w13_scale and w2_scale come together (FP8 experts) or not at all")
+    weight_dtype = torch.float8_e4m3fn if fp8 else hidden_states.dtype
+    if hidden_states.dtype not in DTYPES or w13.dtype != weight_dtype or w2.dtype != weight_dtype:
         raise ValueError(
-            f"hidden_states ({hidden_states.dtype}), w13 ({w13.dtype}) and w2 ({w2.dtype}) must share one dtype of {DTYPES}"
+            f"hidden_states ({hidden_states.dtype}) must have a dtype of {DTYPES} and w13 ({w13.dtype}) and w2 "
+            f"({w2.dtype}) the dtype {weight_dtype}"
+        )
+    if fp8 and (w13_scale.shape != w13.shape[:2] or w2_scale.shape != w2.shape[:2]):
+        raise ValueError(
+            f"w13_scale {tuple(w13_scale.shape)} and w2_scale {tuple(w2_scale.shape)} must be "
+            f"{tuple(w13.shape[:2])} and {tuple(w2.shape[:2])} (per expert and row)"
         )
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("w13 and w2 must be contiguous")
@@ -359,10 +391,12 @@ def fused_experts(
     num_rows = num_tokens * top_k
     alignment = moe_align_block_size(topk_ids, num_experts, config.block_m)
     activated = torch.empty(num_rows, intermediate, dtype=hidden_states.dtype, device=hidden_states.device)
-    _grouped_gemm(hidden_states, w13, activated, None, alignment, top_k, True, config.block_m, config.gate_up)
+    _grouped_gemm(
+        hidden_states, w13, activated, None, alignment, top_k, True, config.block_m, config.gate_up, w13_scale
+    )
     per_row = torch.empty(num_rows, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _grouped_gemm(activated, w2, per_row, weights, alignment, 1, False, config.block_m, config.down)
+    _grouped_gemm(activated, w2, per_row, weights, alignment, 1, False, config.block_m, config.down, w2_scale)
     if top_k == 1:
         return per_row
     return torch.sum(per_row.view(num_tokens, top_k, hidden), dim=1, dtype=torch.float32).to(hidden_states.dtype)

@@ -16,11 +16,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pagoda.model import ops
+
+if TYPE_CHECKING:
+    from pagoda.model.layers.fused_moe import FusedMoEMethod
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,10 @@ class QuantizationConfig(ABC):
     def linear_method(self) -> LinearMethod:
         """A fresh method for one linear layer."""
 
+    def moe_method(self) -> FusedMoEMethod | None:
+        """A method for one mixture-of-experts layer's experts; None: unquantized experts."""
+        return None
+
 
 _building: list[QuantizationConfig | None] = [None]
 
@@ -113,9 +121,16 @@ def current_linear_method() -> LinearMethod:
     return UnquantizedLinearMethod() if config is None else config.linear_method()
 
 
+def current_moe_method() -> FusedMoEMethod | None:
+    """The experts' method for a mixture-of-experts layer being built now (None: unquantized)."""
+    config = _building[-1]
+    return None if config is None else config.moe_method()
+
+
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Let every layer's method convert its loaded weights (called once, after loading)."""
+    """Let every layer with quantizable weights (linear layers, experts) convert them, once,
+    after loading."""
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+        hook = getattr(module, "process_weights_after_loading", None)
+        if callable(hook):
+            hook()
