@@ -33,10 +33,12 @@ from pagoda.attention.metadata import CascadeMetadata
 from pagoda.scheduler.block_pool import NULL_BLOCK_ID
 from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
 
-# Shared prefix tokens x requests below which a group does not cascade. Calibrated by
-# benchmarks/cascade_attention_kernels.py on the GPU (the break-even of the cascade's extra
-# launches and merge against the prefix reads it saves); see that script's docstring.
-CASCADE_MIN_SHARED_TOKENS = 16384
+# Shared prefix tokens x requests below which a group does not cascade: the break-even of the
+# cascade's extra launches and merge against the prefix reads it saves, measured with
+# benchmarks/cascade_attention.py on an H200 (2026-12-02, Qwen3-0.6B heads, 64 own keys; see
+# benchmarks/RESULTS.md): at 65,536 the cascade wins from 8 requests up (1.28x at 8 x 8,192,
+# 1.37x at 32 x 2,048); at 32,768 it loses at every batch size measured.
+CASCADE_MIN_SHARED_TOKENS = 65536
 # Prefix groups one step cascades at most (a launch constant of the prefix pass's grid).
 MAX_CASCADE_GROUPS = 16
 
