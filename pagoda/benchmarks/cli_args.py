@@ -39,6 +39,16 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
 
 
+def add_quantization_args(parser: argparse.ArgumentParser) -> None:
+    """FP8 weights and KV cache of the engine under test (the floors still count model-dtype bytes)."""
+    parser.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: FP8 weights (quantized at load)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: an e4m3 KV cache")
+
+
+def quantization_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+
+
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     """Speculation off and on in one run (see `pagoda.benchmarks.speculative`)."""
     parser.add_argument(
@@ -81,7 +91,9 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--disable-cascade-attn", action="store_true", help="never split attention over shared prefixes"
     )
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="requests in one batch (default: 256)")
     add_parallel_args(parser)
+    add_quantization_args(parser)
     add_speculative_args(parser)
     parser.add_argument(
         "--peer",
@@ -102,6 +114,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
     add_parallel_args(parser)
+    add_quantization_args(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of each decode request")
     parser.add_argument("--output-len", type=int, default=128, help="N: decode time is taken over N - 1 tokens")

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.benchmarks.cli_args import add_throughput_args
+from pagoda.benchmarks.cli_args import add_throughput_args, quantization_kwargs
 from pagoda.benchmarks.hf_peer import free_device_memory, load_hf_model
 from pagoda.benchmarks.roofline import (
     DeviceRates,
@@ -367,6 +367,8 @@ def run(args: argparse.Namespace) -> list[Measurement]:
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             speculative_config=spec,
+            **quantization_kwargs(args),
+            **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
         )
         print(f"{engine} startup (load, profile, graphs): {time.perf_counter() - start:.1f} s", flush=True)
         if floor is None:
