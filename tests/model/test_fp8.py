@@ -48,6 +48,7 @@ from pagoda.model.layers.quantization.fp8_ops import (
     quantize_per_channel,
 )
 from pagoda.model.loader import load_hf_config
+from pagoda.model.loader.safetensors_loader import iter_safetensors_weights
 
 LOGIT_REL_TOL = 0.1
 MIN_TOP1_AGREEMENT = 0.8
@@ -325,3 +326,13 @@ def test_bad_kv_cache_dtype_is_a_config_error(monkeypatch):
     monkeypatch.setattr(quant_config.torch.cuda, "get_device_capability", lambda device=None: (8, 6))
     with pytest.raises(ConfigError, match=r"kv_cache_dtype 'fp8' needs a GPU of compute capability >= 8\.9"):
         check_kv_cache_dtype("fp8", torch.device("cuda"))
+
+
+def test_weights_quantized_at_load_refuse_a_refill_in_place(checkpoint, load_model):
+    """Copying the bf16/fp32 checkpoint into the FP8 parameters would cast away the scales
+    (sleep level 2's reload, update_weights): refused, naming the dtype."""
+    model = _load(load_model, checkpoint, quantization="fp8")
+    with pytest.raises(
+        ValueError, match=r"an FP8 parameter takes only float8_e4m3fn checkpoint tensors, got torch\.float32"
+    ):
+        model.load_weights(iter_safetensors_weights(checkpoint))

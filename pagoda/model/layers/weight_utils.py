@@ -50,10 +50,16 @@ def whole_weight(weight: CheckpointWeight) -> torch.Tensor:
 def copy_weight(dst: torch.Tensor, src: CheckpointWeight) -> None:
     """Copy `src` into `dst` (any device/dtype); raise ValueError if the shapes differ.
 
-    A lazy `src` is read whole only here, after its shape has been checked."""
+    A lazy `src` is read whole only here, after its shape has been checked. An FP8 parameter
+    takes FP8 tensors only."""
     if dst.shape != src.shape:
         raise ValueError(f"shape mismatch: parameter expects {tuple(dst.shape)}, checkpoint has {tuple(src.shape)}")
-    dst.copy_(src if isinstance(src, torch.Tensor) else src.materialize())
+    src = whole_weight(src)
+    if dst.dtype == torch.float8_e4m3fn and src.dtype != dst.dtype:
+        # A cast would drop the scales: a weight quantized at load cannot be refilled from the
+        # unquantized checkpoint in place (sleep level 2, update_weights).
+        raise ValueError(f"an FP8 parameter takes only float8_e4m3fn checkpoint tensors, got {src.dtype}")
+    dst.copy_(src)
 
 
 def default_weight_loader(param: torch.nn.Parameter, loaded_weight: CheckpointWeight, shard_id: None = None) -> None:
