@@ -47,7 +47,7 @@ class Processor:
             if self.tokenizer is None:
                 raise InvalidRequestError("prompt", "this model has no tokenizer: send prompt token ids")
             return prompt, self.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, list) and _all_ints(prompt):
             return None, list(prompt)
         raise InvalidRequestError("prompt", "prompt must be a string or a list of token ids")
 
@@ -223,8 +223,17 @@ class Processor:
         return sequences
 
     def _check_token_ids(self, field: str, token_ids: list[int]) -> None:
+        # min/max run in C: a long prompt is checked without a Python loop over its tokens.
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < self.vocab_size):
+            return
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
                 field, f"{field} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
             )
+
+
+def _all_ints(values: list) -> bool:
+    """True when every value is an int and none a bool (True would pass as token id 1). The
+    check runs over the distinct types, collected in C, not over every token in Python."""
+    return all(issubclass(kind, int) and kind is not bool for kind in set(map(type, values)))

@@ -131,6 +131,8 @@ class KVCacheManager:
         changing nothing but the freeing, when the pool has too few free blocks.
         """
         req_id = request.request_id
+        if new_computed_blocks is None and self._holds_tokens(req_id, request.num_computed_tokens + num_new_tokens):
+            return tuple([] for _ in self.managers)
         hits = new_computed_blocks or tuple([] for _ in self.managers)
         num_hit_tokens = len(hits[0]) * self.managers[0].block_size
         num_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
@@ -153,6 +155,18 @@ class KVCacheManager:
         return tuple(
             [block.block_id for block in manager.allocate_new_blocks(req_id, num_tokens)] for manager in self.managers
         )
+
+    def _holds_tokens(self, req_id: str, num_tokens: int) -> bool:
+        """True when a running request's blocks already hold `num_tokens` tokens in every group
+        and no group lets blocks go as tokens advance: allocating would change nothing (the
+        common decode step, whose current block still has room)."""
+        for manager in self.managers:
+            if manager.frees_skipped_blocks:
+                return False
+            blocks = manager.req_to_blocks.get(req_id)
+            if blocks is None or len(blocks) * manager.block_size < num_tokens:
+                return False
+        return True
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that `num_computed_tokens` computed tokens fill."""

@@ -198,7 +198,8 @@ class Scheduler:
             if num_new == 0 or (self.pipeline_parallel and request.num_pending_tokens):
                 index += 1
                 continue
-            drafts = self._capped_drafts(request, proposals.get(request.request_id, []), budget - num_new)
+            proposal = proposals.get(request.request_id)
+            drafts = self._capped_drafts(request, proposal, budget - num_new) if proposal else []
             new_block_ids = kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
             if new_block_ids is None:
                 drafts = []  # no room for the drafts: schedule the plain step (which may preempt)
@@ -448,7 +449,8 @@ class Scheduler:
     def _take_back_rejected(self, request: Request, scheduler_output: SchedulerOutput, sampled: list[int]) -> int:
         """After a verify step: count its acceptance and un-compute its rejected drafts (their slots
         are rewritten by the next tokens); the number rejected."""
-        num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(request.request_id, ()))
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        num_drafts = len(spec_tokens.get(request.request_id, ())) if spec_tokens else 0
         if not num_drafts or not sampled:
             return 0
         request.num_inflight_drafts = 0

@@ -26,6 +26,9 @@ class SingleTypeKVCacheManager:
     hashes at `hash_block_size` tokens; this group's block i is identified by the hash that
     ends at its last token."""
 
+    # Whether `remove_skipped_blocks` may free blocks as the request's tokens advance.
+    frees_skipped_blocks = False
+
     def __init__(
         self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int, hash_block_size: int, enable_caching: bool
     ) -> None:
@@ -84,6 +87,8 @@ class SingleTypeKVCacheManager:
         if blocks is None:
             return
         start = self.num_cached_blocks[req_id]
+        if num_computed_tokens < (start + 1) * self.block_size:
+            return  # no block filled since the last call
         end = min(num_computed_tokens // self.block_size, self.num_hashed_blocks(block_hashes), len(blocks))
         null = self.block_pool.null_block
         for i in range(start, end):
@@ -124,6 +129,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
+    frees_skipped_blocks = True
+
     def __init__(self, spec: SlidingWindowSpec, *args, **kwargs) -> None:
         super().__init__(spec, *args, **kwargs)
         self.sliding_window = spec.sliding_window

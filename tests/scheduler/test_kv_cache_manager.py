@@ -331,3 +331,58 @@ def test_idle_check_passes_when_whole_and_catches_leaks(make_request) -> None:
 def test_block_pool_refuses_a_pool_without_usable_blocks() -> None:
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(1)
+
+
+# ---- decode steps (the fast paths) -----------------------------------------------------------
+
+
+def decode_one(manager: KVCacheManager, request: Request, token: int) -> BlockIds | None:
+    """One decode step as the scheduler and its update run it: a slot for the next token, the
+    step computed, the sampled token appended, full blocks cached and hashed."""
+    new_block_ids = manager.allocate_slots(request, 1)
+    if new_block_ids is None:
+        return None
+    request.num_computed_tokens += 1
+    manager.cache_blocks(request, request.num_computed_tokens)
+    request.append_output_token(token)
+    manager.update_block_hashes(request)
+    return new_block_ids
+
+
+def test_decode_allocates_exactly_at_block_boundaries_and_caches_each_filled_block(make_request) -> None:
+    """A decode step inside a block takes nothing; the step past its end takes one block; every
+    block a decode fills becomes a prefix-cache hit for a request with the same tokens."""
+    manager = make_manager(num_blocks=16)
+    request = make_request("a", list(range(5)), max_tokens=16)
+    admit(manager, request)
+    request.append_output_token(100)  # the token the prompt's step sampled
+    manager.update_block_hashes(request)
+    taken = []
+    for i in range(10):  # positions 5..14: blocks 1 and 2 fill, block 3 starts at position 12
+        new_block_ids = decode_one(manager, request, 101 + i)
+        assert new_block_ids is not None
+        taken.append(len(new_block_ids[0]))
+    # Position 5 is in block 1 (allocated at admission: 5 tokens + the sampled one fill 2 blocks);
+    # positions 8 and 12 start blocks 2 and 3.
+    assert taken == [0, 0, 0, 1, 0, 0, 0, 1, 0, 0]
+    assert manager.num_held_blocks(request) == [4]
+    assert len(request.block_hashes) == request.num_tokens // BLOCK_SIZE == 4
+    follower = make_request("b", list(request.all_token_ids))
+    manager.update_block_hashes(follower)
+    hits, num_hit = manager.get_computed_blocks(follower)
+    # Blocks 0-2 (12 tokens) were computed; block 3 holds a computed token and a sampled one.
+    assert num_hit == 12
+    assert [block.block_id for block in hits[0]] == manager.get_block_ids(request)[0][:3]
+
+
+def test_decode_fast_path_still_refuses_when_the_pool_is_full(make_request) -> None:
+    """The step that needs a new block fails, changing nothing, when no block is free."""
+    manager = make_manager(num_blocks=3)  # the null block and 2 usable
+    request = make_request("a", list(range(7)), max_tokens=16)
+    admit(manager, request)
+    request.append_output_token(100)
+    manager.update_block_hashes(request)
+    assert decode_one(manager, request, 101) is not None  # position 7: the last slot of block 1
+    before = snapshot(manager)
+    assert manager.allocate_slots(request, 1) is None  # position 8 needs a third block
+    assert snapshot(manager) == before
