@@ -16,6 +16,7 @@ rounding into different tokens.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -100,8 +101,8 @@ def _per_channel(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: quantized, f"{name.removesuffix('.weight')}.weight_scale": scale[:, None]}
 
 
-def _blockwise(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    quantized, scale = quantize_blocks(weight, tuple(BLOCK))
+def _blockwise(name: str, weight: torch.Tensor, block: tuple[int, int] = tuple(BLOCK)) -> dict[str, torch.Tensor]:
+    quantized, scale = quantize_blocks(weight, block)
     return {name: quantized, f"{name.removesuffix('.weight')}.weight_scale_inv": scale}
 
 
@@ -336,3 +337,54 @@ def test_weights_quantized_at_load_refuse_a_refill_in_place(checkpoint, load_mod
         ValueError, match=r"an FP8 parameter takes only float8_e4m3fn checkpoint tensors, got torch\.float32"
     ):
         model.load_weights(iter_safetensors_weights(checkpoint))
+
+
+def _dequantized_weight(layer: torch.nn.Module) -> torch.Tensor:
+    block_size = layer.quant_method.config.block_size
+    return dequantize(layer.weight, layer.weight_scale, block_size)
+
+
+def _rank_rows(full: torch.Tensor, layer: torch.nn.Module, rank: int, tp_size: int) -> torch.Tensor:
+    """The rows a column-parallel rank holds: its slice of each merged checkpoint tensor."""
+    parts, start = [], 0
+    for rows in layer.linear_shape.output_rows:
+        parts.append(full[start + rank * rows : start + (rank + 1) * rows])
+        start += rows * tp_size
+    return torch.cat(parts)
+
+
+TP_LAYOUTS = {
+    "ct-tensor-static": LAYOUTS["ct-tensor-static"],
+    "ct-channel": LAYOUTS["ct-channel"],
+    "hf-fp8-block16": (
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]},
+        functools.partial(_blockwise, block=(16, 16)),
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(TP_LAYOUTS))
+def test_tensor_parallel_ranks_hold_slices_of_weights_and_scales(
+    layout, checkpoint, load_model, parallel_state, tmp_path
+):
+    """At TP 2 each rank's dequantized FP8 weight is exactly its slice of the TP 1 model's:
+    per-channel and block scales follow their rows (column-parallel) and blocks (row-parallel
+    splits K), per-tensor scales their shard."""
+    quantization_config, quantize = TP_LAYOUTS[layout]
+    path = _write_fp8_checkpoint(checkpoint, str(tmp_path / layout), quantization_config, quantize)
+    full = {
+        name: m for name, m in _load(load_model, path, quantization="fp8").named_modules() if hasattr(m, "linear_shape")
+    }
+    for rank in range(2):
+        parallel_state(tp_rank=rank, tp_size=2)
+        model = _load(load_model, path, quantization="fp8")
+        for name, layer in model.named_modules():
+            if not hasattr(layer, "linear_shape"):
+                continue
+            whole = _dequantized_weight(full[name])
+            if isinstance(layer, RowParallelLinear):
+                size = layer.input_size_per_rank
+                expected = whole[:, rank * size : (rank + 1) * size]
+            else:
+                expected = _rank_rows(whole, layer, rank, 2)
+            assert torch.equal(_dequantized_weight(layer), expected), (layout, name, rank)
