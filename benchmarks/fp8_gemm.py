@@ -7,6 +7,7 @@ copies to overflow L2 (as a decode step's other layers do), median of several re
 - gemv: the Triton weight-only FP8 GEMV (x stays bf16), M <= 16;
 - triton-w8a16: the Triton tiled GEMM, weight-only;
 - scaled_mm: per-token dynamic quantization (Triton) + torch._scaled_mm with rowwise scales;
+- scaled_mm-fast: the same with use_fast_accum (fp8_ops.SCALED_MM_FAST_ACCUM);
 - triton-w8a8: the same quantization + the Triton tiled GEMM (per-channel scales);
 - block: per-token-group quantization + the Triton GEMM with 128x128 block scales (HF fp8);
 - auto: what fp8_linear runs for this M (per-channel weights).
@@ -121,7 +122,8 @@ def time_paths(shape: Shape, w: Weights, m: int) -> dict[str, float]:
     paths: dict[str, Callable[[int], object]] = {
         "bf16": lambda i: F.linear(x, w.bf16[i]),
         "triton-w8a16": lambda i: fp8_gemm(x, *w.channel[i]),
-        "scaled_mm": lambda i: fp8_ops._scaled_mm_rowwise(*quantize_rows(x), *w.channel[i], torch.bfloat16),
+        "scaled_mm": lambda i: fp8_ops.scaled_mm_rowwise(*quantize_rows(x), *w.channel[i], torch.bfloat16, False),
+        "scaled_mm-fast": lambda i: fp8_ops.scaled_mm_rowwise(*quantize_rows(x), *w.channel[i], torch.bfloat16, True),
         "triton-w8a8": lambda i: _w8a8(x, *w.channel[i]),
         "block": lambda i: fp8_ops.fp8_linear(x, *w.block[i], block_size=BLOCK),
         "auto": lambda i: fp8_ops.fp8_linear(x, *w.channel[i]),
@@ -137,7 +139,7 @@ def _w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> 
 
 
 def compare(tokens: list[int]) -> None:
-    names = ["bf16", "gemv", "triton-w8a16", "scaled_mm", "triton-w8a8", "block", "auto"]
+    names = ["bf16", "gemv", "triton-w8a16", "scaled_mm", "scaled_mm-fast", "triton-w8a8", "block", "auto"]
     print(f"{'shape':<16} {'M':>5} " + " ".join(f"{name + ' us':>15}" for name in names) + "  fastest fp8 (TB/s)")
     for shape in SHAPES:
         w = make_weights(shape)

@@ -102,6 +102,20 @@ def test_quantize_rows_matches_torch(group_size):
     assert not differs.any()
 
 
+@pytest.mark.parametrize("use_fast_accum", [False, True])
+def test_scaled_mm_rowwise_matches_dequantized_reference(use_fast_accum):
+    """The _scaled_mm call fp8_linear makes (operand layout, scale shapes), where this torch build
+    has it (CPU builds from 2.10 do)."""
+    torch.manual_seed(5)
+    weight, scale = quantize_per_channel(torch.randn(48, 64, device=DEVICE))
+    x_q, x_scale = quantize_activations(torch.randn(20, 64, device=DEVICE))
+    try:
+        out = fp8_ops.scaled_mm_rowwise(x_q, x_scale, weight, scale, torch.float32, use_fast_accum)
+    except (RuntimeError, NotImplementedError) as error:
+        pytest.skip(f"torch._scaled_mm is not available here: {error}")
+    torch.testing.assert_close(out, _reference(x_q, x_scale, weight, scale, None), atol=2e-2, rtol=1e-2)
+
+
 def test_mismatched_inputs_are_refused():
     weight, scale = quantize_per_channel(torch.randn(32, 64, device=DEVICE))
     x = torch.randn(2, 64, device=DEVICE)

@@ -26,6 +26,9 @@ MIN_SCALE = 1e-12
 WEIGHT_ONLY_MAX_TOKENS = 16
 # torch._scaled_mm needs K and N to be multiples of 16.
 SCALED_MM_ALIGNMENT = 16
+# cuBLASLt's fast FP8 accumulation (fewer promotions to float32 along K): faster, less exact;
+# benchmarks/fp8_gemm.py times both.
+SCALED_MM_FAST_ACCUM = False
 
 if ops.TRITON_AVAILABLE:
     from pagoda.model.ops.triton_fp8_gemm import GEMV_MAX_TOKENS, fp8_gemm, fp8_gemv, quantize_rows
@@ -105,12 +108,24 @@ def _reference_linear(
     return out.to(x.dtype)
 
 
-def _scaled_mm_rowwise(
-    x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype
+def scaled_mm_rowwise(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool = SCALED_MM_FAST_ACCUM,
 ) -> torch.Tensor:
     """cuBLASLt's FP8 GEMM with per-row x scales [M, 1] and per-column W scales [1, N]; it
     writes bfloat16 (rowwise scaling's output type on torch 2.11), cast after where needed."""
-    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=torch.bfloat16)
+    out = torch._scaled_mm(
+        x_q,
+        weight.t(),
+        scale_a=x_scale,
+        scale_b=weight_scale[None, :],
+        out_dtype=torch.bfloat16,
+        use_fast_accum=use_fast_accum,
+    )
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
@@ -138,5 +153,5 @@ def fp8_linear(
     n, k = weight.shape
     if n % SCALED_MM_ALIGNMENT or k % SCALED_MM_ALIGNMENT:
         return fp8_gemm(x_q, weight, weight_scale, x_scale=x_scale, bias=bias, out_dtype=x.dtype)
-    out = _scaled_mm_rowwise(x_q, x_scale, weight, weight_scale, x.dtype)
+    out = scaled_mm_rowwise(x_q, x_scale, weight, weight_scale, x.dtype)
     return out if bias is None else out + bias
