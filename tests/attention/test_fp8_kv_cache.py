@@ -151,3 +151,23 @@ def test_fp8_pages_are_half_the_bytes_so_the_pool_holds_twice_the_tokens():
         name: get_kv_cache_config({"layer": spec}, budget).num_blocks for name, spec in (("bf16", bf16), ("fp8", fp8))
     }
     assert blocks["fp8"] == 2 * blocks["bf16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_kv_attention_on_gpu_in_half_precision(dtype):
+    """Compiled kernels, half-precision queries, Llama-3.1-8B's heads (8 KV heads x 4), decode
+    with split-K and a prefill chunk: FP8 K/V within FP8_ROW_REL_TOL of the unquantized kernel."""
+    torch.manual_seed(4)
+    for query_lens, context_lens, num_splits in (([1] * 8, [700] * 8, 4), ([1, 300], [900, 0], 1)):
+        batch = make_batch(query_lens, context_lens, num_kv_heads=8, group=4, head_size=128, dtype=dtype, device="cuda")
+        num_tokens, num_heads, head_size = batch.query.shape
+        workspace = SplitKWorkspace.allocate(num_tokens * num_splits, num_heads, head_size, batch.query.device)
+        exact = torch.empty_like(batch.query)
+        unified_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale, exact, num_splits, workspace)
+        fp8 = torch.empty_like(batch.query)
+        fp8_cache = to_fp8_cache(batch.kv_cache)
+        unified_attention(
+            batch.query, fp8_cache, batch.metadata, batch.scale, fp8, num_splits, workspace, kv_scales=KV_SCALES
+        )
+        assert max_row_relative_error(fp8, exact.float()) < FP8_ROW_REL_TOL

@@ -142,9 +142,24 @@ def _per_channel_with_kv_scales(name: str, weight: torch.Tensor) -> dict[str, to
 
 KV_SCALES = (0.25, 0.5)
 
+
+def _compressed_tensors_blocks(block: list[int]) -> dict:
+    config = _compressed_tensors("block", static_input=False)
+    weights = config["config_groups"]["group_0"]["weights"]
+    weights["block_structure"] = block
+    config["config_groups"]["group_0"]["input_activations"]["strategy"] = "group"
+    return config
+
+
+def _blockwise_named_weight_scale(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    quantized, scale = quantize_blocks(weight, tuple(BLOCK))
+    return {name: quantized, f"{name.removesuffix('.weight')}.weight_scale": scale}
+
+
 LAYOUTS = {
     "ct-tensor-static": (_compressed_tensors("tensor", static_input=True), _per_tensor),
     "ct-channel": (_compressed_tensors("channel", static_input=False), _per_channel),
+    "ct-block": (_compressed_tensors_blocks(BLOCK), _blockwise_named_weight_scale),
     "hf-fp8-block": (
         {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": BLOCK},
         _blockwise,
