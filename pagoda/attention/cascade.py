@@ -128,6 +128,38 @@ def plan_cascade(
     return CascadePlan(req_groups, prefix_lens[paying].astype(np.int32), leaders[paying].astype(np.int32))
 
 
+class CascadePlanCache:
+    """One KV-cache group's last plan, reused while nothing the plan reads has changed.
+
+    A plan reads each row's whole blocks before its first query token and, under a sliding
+    window, which rows fit the window. With the same rows in the same places (the block table's
+    `layout_version`: appending a block leaves a row's leading ids as they are), the same
+    whole-block counts and the same window fits, it is the same plan; so a decode batch plans
+    again only when some row's computed tokens cross a block boundary.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[int, bytes, bytes] | None = None
+        self._plan: CascadePlan | None = None
+
+    def plan(
+        self,
+        layout_version: int,
+        block_table: np.ndarray,
+        num_computed: np.ndarray,
+        seq_lens: np.ndarray,
+        block_size: int,
+        sliding_window: int | None = None,
+    ) -> CascadePlan | None:
+        """`plan_cascade` of these arguments; `block_table` must be the table `layout_version` counts."""
+        fits = seq_lens <= sliding_window if sliding_window else np.empty(0, dtype=bool)
+        key = (layout_version, (num_computed // block_size).tobytes(), fits.tobytes())
+        if key != self._key:
+            self._plan = plan_cascade(block_table, num_computed, seq_lens, block_size, sliding_window)
+            self._key = key
+        return self._plan
+
+
 class CascadeBuffers:
     """One KV-cache group's static cascade buffers, sized for `max_tokens` tokens and rows."""
 

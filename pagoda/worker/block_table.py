@@ -22,6 +22,10 @@ class BlockTable:
         self.block_table = torch.zeros((max_num_reqs, max_num_blocks_per_req), dtype=torch.int32, device=device)
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
         self._dirty_rows: set[int] = set()
+        # Bumped whenever a row's existing block ids may change (rows added, cleared, moved,
+        # swapped), not when blocks are appended after them: what a plan over the rows'
+        # leading blocks (the cascade's) is reused against.
+        self.layout_version = 0
 
     def append_row(self, block_ids: list[int], row: int) -> None:
         if not block_ids:
@@ -37,13 +41,16 @@ class BlockTable:
         self._dirty_rows.add(row)
 
     def add_row(self, block_ids: list[int], row: int) -> None:
+        self.layout_version += 1
         self.num_blocks_per_row[row] = 0
         self.append_row(block_ids, row)
 
     def clear_row(self, row: int) -> None:
+        self.layout_version += 1
         self.num_blocks_per_row[row] = 0
 
     def move_row(self, src: int, dst: int) -> None:
+        self.layout_version += 1
         num_blocks = int(self.num_blocks_per_row[src])
         self.block_table_np[dst, :num_blocks] = self.block_table_np[src, :num_blocks]
         self.num_blocks_per_row[dst] = num_blocks
@@ -51,6 +58,7 @@ class BlockTable:
         self._dirty_rows.add(dst)
 
     def swap_row(self, a: int, b: int) -> None:
+        self.layout_version += 1
         self.num_blocks_per_row[[a, b]] = self.num_blocks_per_row[[b, a]]
         self.block_table_np[[a, b]] = self.block_table_np[[b, a]]
         self._dirty_rows.update((a, b))

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pagoda.attention.backends import AttentionLimits, AttentionMetadataBuilder, CUDAGraphSupport, get_attention_backend
-from pagoda.attention.cascade import CascadeBuffers, CascadeMode, plan_cascade
+from pagoda.attention.cascade import CascadeBuffers, CascadeMode, CascadePlanCache
 from pagoda.attention.layer import Attention
 from pagoda.attention.metadata import AttentionMetadata, CascadeMetadata
 from pagoda.config import EngineConfig
@@ -287,6 +287,7 @@ class GPUModelRunner:
             else None
             for group in groups
         ]
+        self.cascade_plans = [CascadePlanCache() for _ in groups]
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
@@ -675,18 +676,20 @@ class GPUModelRunner:
         pending = self._pending_output
         if pending is None or pending.resolved:
             return
-        num = 0
-        for row, req_id in enumerate(self.input_batch.req_ids):
-            index = pending.index_of_req.get(req_id)
-            if index is None:
-                continue
-            # A verify step's output is waited for before its request runs again (see Scheduler).
-            assert not pending.num_drafts[index], f"{req_id!r} scheduled behind its verify step"
-            offset = int(pending.positions[index]) - int(num_computed[row])
-            if 0 <= offset < num_scheduled[row]:
-                self.prev_sampled_dst.np[num] = first_token[row] + offset
-                self.prev_sampled_src.np[num] = index
-                num += 1
+        req_ids = self.input_batch.req_ids
+        index_of_req = pending.index_of_req
+        # Each row's index among the pending step's sampled rows (-1: it did not sample then).
+        indices = np.fromiter((index_of_req.get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        rows = np.flatnonzero(indices >= 0)
+        indices = indices[rows]
+        # A verify step's output is waited for before its request runs again (see Scheduler).
+        drafted = pending.num_drafts[indices] != 0
+        assert not drafted.any(), f"{req_ids[rows[np.argmax(drafted)]]!r} scheduled behind its verify step"
+        offsets = pending.positions[indices].astype(np.int64) - num_computed[rows]
+        in_step = (offsets >= 0) & (offsets < num_scheduled[rows])
+        num = int(in_step.sum())
+        self.prev_sampled_dst.np[:num] = first_token[rows[in_step]] + offsets[in_step]
+        self.prev_sampled_src.np[:num] = indices[in_step]
         if num:
             assert pending.sampled_token_ids is not None
             source = pending.sampled_token_ids[self.prev_sampled_src.copy_to_gpu(num), 0]
@@ -787,7 +790,8 @@ class GPUModelRunner:
             assert self.kv_cache_config is not None
             spec = self.kv_cache_config.kv_cache_groups[gid].kv_cache_spec
             block_table = self.input_batch.block_table
-            plan = plan_cascade(
+            plan = self.cascade_plans[gid].plan(
+                block_table[gid].layout_version,
                 block_table[gid].block_table_np[: len(num_scheduled)],
                 seq_lens - num_scheduled,
                 seq_lens,
@@ -979,8 +983,18 @@ class GPUModelRunner:
         """Put a resolved step's ids where its placeholders are, wherever its requests now live;
         append a verify row's tokens."""
         batch = self.input_batch
-        for row, position, num_drafts, tokens in zip(
-            output.sample_rows.tolist(), output.positions.tolist(), output.num_drafts.tolist(), sampled, strict=True
+        # Rows still in the batch, and where their placeholders are: written in one go at the end.
+        batch_rows: list[int] = []
+        batch_positions: list[int] = []
+        batch_token_ids: list[int] = []
+        for i, (row, position, num_drafts, token_id) in enumerate(
+            zip(
+                output.sample_rows.tolist(),
+                output.positions.tolist(),
+                output.num_drafts.tolist(),
+                sampled[:, 0].tolist(),
+                strict=True,
+            )
         ):
             req_id = output.req_ids[row]
             state = self.requests.get(req_id)
@@ -988,14 +1002,20 @@ class GPUModelRunner:
                 continue  # finished since
             index = position - len(state.prompt_token_ids)
             if num_drafts:
+                tokens = sampled[i]
                 self._append_verified(state, index, position, tokens[tokens >= 0].tolist())
                 continue
-            token_id = int(tokens[0])
             if index < len(state.output_token_ids):
                 state.output_token_ids[index] = token_id
             now = batch.get_req_index(req_id)
-            if now is not None and position < batch.num_tokens[now]:
-                batch.token_ids_cpu[now, position] = token_id
+            if now is not None:
+                batch_rows.append(now)
+                batch_positions.append(position)
+                batch_token_ids.append(token_id)
+        rows = np.array(batch_rows, dtype=np.int64)
+        positions = np.array(batch_positions, dtype=np.int64)
+        placed = positions < batch.num_tokens[rows]
+        batch.token_ids_cpu[rows[placed], positions[placed]] = np.array(batch_token_ids, dtype=np.int64)[placed]
 
     def _append_verified(self, state: CachedRequestState, index: int, position: int, token_ids: list[int]) -> None:
         """A verify step's tokens join the request's history (and its batch row, if it has one)."""
