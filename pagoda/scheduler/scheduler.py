@@ -305,6 +305,9 @@ class Scheduler:
         computed_before = _num_computed_before(scheduler_output)
         outputs: list[EngineCoreOutput] = []
         stopped: list[tuple[Request, RequestStatus]] = []
+        # Looked up per request only when the step produced any (most steps have none).
+        pooler_output = model_runner_output.pooler_output
+        prompt_logprobs = model_runner_output.prompt_logprobs
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None:
@@ -316,7 +319,7 @@ class Scheduler:
             # fresh blocks, of which only those already scheduled may be cached.
             num_valid = computed_before[req_id] + num_scheduled - num_rejected
             kv.cache_blocks(request, min(num_valid, request.num_computed_tokens))
-            pooled = model_runner_output.pooler_output.get(req_id)
+            pooled = pooler_output.get(req_id) if pooler_output else None
             if pooled is not None:
                 request.num_pending_tokens -= 1
                 stopped.append((request, RequestStatus.FINISHED_STOPPED))
@@ -348,7 +351,7 @@ class Scheduler:
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,
                     new_logprobs=new_logprobs,
-                    new_prompt_logprobs=model_runner_output.prompt_logprobs.get(req_id),
+                    new_prompt_logprobs=prompt_logprobs.get(req_id) if prompt_logprobs else None,
                 )
             )
         for request, final_status in stopped:
