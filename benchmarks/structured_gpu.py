@@ -11,8 +11,7 @@ Per constrained step, from the runner's `GrammarPipeline.stats`: on the pipeline
 `wait_ids` (waiting for the previous step's ids), `advance` (matchers over them), `prefill`
 (their next masks); on the step loop `join_wait` (blocked on the thread: the part not hidden),
 `fill` (masks the thread could not fill ahead) and `send` (staging the copy); `overlap` is the
-share of the thread's work the loop did not wait for; `deferred_share` the steps whose masks'
-copy waited for the thread on the device (the loop went straight on).
+share of the thread's work the loop did not wait for.
 
 `--host-only` measures the masks' cost at a fixed batch (default 256) without a model: the same
 schema's matchers advanced over tokens drawn from their own masks, one step at a time, and on
@@ -106,7 +105,6 @@ def end_to_end(args: argparse.Namespace) -> dict:
         "mean_rows_per_step": stats.rows / max(stats.steps, 1),
         "max_rows_per_step": stats.max_rows,
         "prefilled_share": stats.prefilled_rows / max(stats.rows, 1),
-        "deferred_share": stats.deferred / max(stats.steps, 1),
         "host_ms_per_step": stats.per_step_ms(),
     }
 

@@ -12,16 +12,18 @@ rows as soon as step N is queued: it waits for the ids (they land as step N+1's 
 starts), advances the matchers and fills every row's next mask into host memory, one row per
 state in the order given. `masks` for step N+1 does not wait for it: the layout is known in
 advance (a state of the job has the job's row for it), so the loop fills only what the job
-does not cover (new requests; a verify row's positions, each after its drafts so far), queues
-the masks' copy on a side stream behind a device-side wait for the job (`HostFlag`), and the
-sampler waits for the copy on its own stream. The host goes straight on to its next step;
-the device waits for the masks only if the job takes longer than the forward.
+does not cover (new requests; a verify row's positions, each after its drafts so far), then
+joins the job and queues the masks' copy on a side stream the sampler waits for. The loop
+waits only for the part of the job its own work since `advance` did not cover.
+
+The device does not wait for the job itself: a kernel polling a host counter that the thread
+sets (tried, 2026-12-02) hung the async engine on an H200, since the loop can block in a
+device sync while holding the GIL, which the thread needs before it can set the counter.
 
 Masks alternate between two host buffers: a job writes the one the next `masks` reads, while
 the device may still copy the other. Every access to grammar states from the loop is either
-to states no job in flight holds, or after `join`. On the CPU (and where the device cannot
-poll host memory) `masks` joins the job instead. xgrammar's calls release the GIL; the thread
-holds it only for short loops over the rows.
+to states no job in flight holds, or after `join`. xgrammar's calls release the GIL; the
+thread holds it only for short loops over the rows.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import numpy as np
 import torch
 
 from pagoda.sample.metadata import TokenBitmask
-from pagoda.structured_output.host_flag import HostFlag
 from pagoda.structured_output.state import GrammarBatch, GrammarState, allocate_bitmask
 
 
@@ -66,7 +67,7 @@ class PipelineStats:
     """Host seconds summed over steps, for the benchmarks: the thread's work (`wait_ids`: its
     wait for the ids; `advance`; `prefill`), the loop's (`join_wait`: blocked on the thread;
     `fill`: masks filled on the loop; `send`: staging and queuing the copy), the steps with
-    masks, those whose copy waited for the thread on the device (`deferred`), and rows."""
+    masks, and rows."""
 
     wait_ids: float = 0.0
     advance: float = 0.0
@@ -75,7 +76,6 @@ class PipelineStats:
     fill: float = 0.0
     send: float = 0.0
     steps: int = 0
-    deferred: int = 0
     rows: int = 0
     max_rows: int = 0
     prefilled_rows: int = 0
@@ -102,11 +102,9 @@ class _Buffers:
 
 @dataclass(frozen=True)
 class _Job:
-    """A job on the thread: its number (the flag it sets), its buffer, its states (kept alive,
-    so that no new state takes one's id) and each one's host row by id, and the states'
-    versions once their masks are filled."""
+    """A job on the thread: its buffer, its states (kept alive, so that no new state takes one's
+    id) and each one's host row by id, and the states' versions once their masks are filled."""
 
-    seq: int
     buffer: int
     states: tuple[GrammarState, ...]
     rows_of: dict[int, int]
@@ -133,9 +131,7 @@ class GrammarPipeline:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-step")
         self._jobs: deque[_Job] = deque()  # submitted, not yet joined
         self._latest: _Job | None = None  # the last submitted, until a `masks` reads its rows
-        self._seq = 0
         self.stats = PipelineStats()
-        self._flag = HostFlag() if cuda else None
         self._stream = torch.cuda.Stream(device) if cuda else None
         self._words = torch.zeros_like(self._buffers[0].host, device=device) if cuda else None
         self._index_device = torch.zeros_like(self._buffers[0].index, device=device) if cuda else None
@@ -149,23 +145,18 @@ class GrammarPipeline:
         them) and filling their next masks; returns at once, reading no grammar state."""
         if not rows:
             return
-        self._seq += 1
         buffers = self._buffers[self._current]
-        future = self._thread.submit(self._run_job, self._seq, buffers, rows, host_token_ids)
+        future = self._thread.submit(self._run_job, buffers, rows, host_token_ids)
         states = tuple(row.state for row in rows)
-        job = _Job(self._seq, self._current, states, {id(state): i for i, state in enumerate(states)}, future)
+        job = _Job(self._current, states, {id(state): i for i, state in enumerate(states)}, future)
         self._jobs.append(job)
         self._latest = job
 
     def _run_job(
-        self, seq: int, buffers: _Buffers, rows: list[SampledGrammarRow], host_token_ids: Callable[[], np.ndarray]
+        self, buffers: _Buffers, rows: list[SampledGrammarRow], host_token_ids: Callable[[], np.ndarray]
     ) -> dict[int, int]:
-        try:
-            with torch.inference_mode():  # the buffers may be inference tensors (made in a step)
-                return self._advance_and_fill(buffers, rows, host_token_ids)
-        finally:
-            if self._flag is not None:
-                self._flag.set(seq)  # also on failure: the device must not wait forever
+        with torch.inference_mode():  # the buffers may be inference tensors (made in a step)
+            return self._advance_and_fill(buffers, rows, host_token_ids)
 
     def _advance_and_fill(
         self, buffers: _Buffers, rows: list[SampledGrammarRow], host_token_ids: Callable[[], np.ndarray]
@@ -261,7 +252,7 @@ class GrammarPipeline:
         self._latest = None  # its rows are read (or stale): the next job writes the other buffer
         self._current ^= 1
         filled = time.perf_counter()
-        bitmask = self._send(entries, buffers, latest.seq if running else None) if entries else None
+        bitmask = self._send(entries, buffers) if entries else None
         stats = self.stats
         stats.fill += filled - start
         stats.send += time.perf_counter() - filled
@@ -310,27 +301,22 @@ class GrammarPipeline:
         state.rollback(tried)
         return free
 
-    def _send(self, entries: list[tuple[int, int]], buffers: _Buffers, wait_for: int | None) -> TokenBitmask:
-        """The masks of `entries` for the sampler. On CUDA copied on the side stream, behind
-        the thread's job `wait_for` (polled on the device) and the last sampler's read of the
-        device buffers; on the CPU the host buffers themselves, once the job is joined."""
+    def _send(self, entries: list[tuple[int, int]], buffers: _Buffers) -> TokenBitmask:
+        """The masks of `entries` for the sampler, once the thread's jobs are joined: on CUDA
+        copied on the side stream, behind the last sampler's read of the device buffers; on
+        the CPU the host buffers themselves."""
         num = len(entries)
         index = buffers.index
         staged = index.numpy()[:, :num]
         staged[:] = np.array(entries, dtype=np.int64).T
         identity = bool((staged[1] == np.arange(num)).all())
         num_words = 1 + int(staged[1].max())
+        self.join()
         if self._stream is None:
-            self.join()
             return TokenBitmask(
                 rows=index[0, :num], words=buffers.host[:num_words], word_rows=None if identity else index[1, :num]
             )
-        assert self._flag is not None and self._words is not None and self._index_device is not None
-        if wait_for is not None:
-            if self._flag.wait_on_device(wait_for, self._stream):
-                self.stats.deferred += 1
-            else:
-                self.join()
+        assert self._words is not None and self._index_device is not None
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._applied)
             self._words[:num_words].copy_(buffers.host[:num_words], non_blocking=True)

@@ -406,5 +406,3 @@ def test_async_pipelining_keeps_outputs_under_a_grammar_that_changes_every_step(
     for token_ids, finish_reason in results[1]:
         assert finish_reason == "stop" and re.fullmatch(r"([a-e][0-4]){6}", bytes(token_ids[:-1]).decode())
     assert stats.prefilled_rows >= 4 * 10  # the async run's masks came from the thread, not the loop
-    if device == "cuda":
-        assert stats.deferred > 0
