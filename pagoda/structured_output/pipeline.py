@@ -16,8 +16,9 @@ does not cover (new requests; a verify row's positions, each after its drafts so
 joins the job and queues the masks' copy on a side stream the sampler waits for. The loop
 waits only for the part of the job its own work since `advance` did not cover.
 
-The device does not wait for the job itself: a kernel polling a host counter that the thread
-sets (tried, 2026-12-02) hung the async engine on an H200, since the loop can block in a
+The device does not wait for the job itself: with a kernel polling a host counter that the
+thread sets (tried, 2026-12-02), benchmarks/structured_gpu.py did not finish within 200 s on
+an H200 (99 s without it), and such a wait can deadlock outright: the loop may block in a
 device sync while holding the GIL, which the thread needs before it can set the counter.
 
 Masks alternate between two host buffers: a job writes the one the next `masks` reads, while
