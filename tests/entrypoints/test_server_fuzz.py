@@ -43,10 +43,13 @@ WHOLE_REQUEST_STATUSES = {401, 403, 404, 405, 409, 413, 415}
 # A field the client sent -> the name an error about it may use instead (chat: max_completion_tokens
 # is max_tokens; top_logprobs is logprobs' count).
 ALIASES = {"max_completion_tokens": {"max_tokens"}, "logprobs": {"top_logprobs", "logprobs"}}
-# Fields every request has, sent or not: the prompt (chat: messages) and max_tokens, which
-# defaults to 16 in completions (OpenAI's default) and must fit the context like a sent one.
-ALWAYS_PRESENT = {"prompt", "messages", "max_tokens"}
-REQUIRED_FIELDS = {"tokens", "path", "input"}  # /detokenize's, /update_weights', /v1/responses'
+# Fields every request has, sent or not: the prompt (chat: messages), max_tokens, which
+# defaults to 16 in completions (OpenAI's default) and must fit the context like a sent one,
+# and the model, the served one by default (a route it cannot serve, such as /v1/embeddings on
+# a generative model, is an error about it).
+ALWAYS_PRESENT = {"prompt", "messages", "max_tokens", "model"}
+# /detokenize's, /update_weights', /v1/responses' and /v1/embeddings', /v1/score's, /rerank's.
+REQUIRED_FIELDS = {"tokens", "path", "input", "text_1", "text_2", "query", "documents"}
 
 
 @pytest.fixture(autouse=True)
