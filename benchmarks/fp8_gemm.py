@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
+from pagoda.benchmarks.cuda_timing import graph_time_us
 from pagoda.model.layers.quantization import fp8_ops
 from pagoda.model.layers.quantization.fp8_ops import quantize_blocks, quantize_per_channel
 from pagoda.model.ops.triton_fp8_gemm import (
@@ -42,8 +42,6 @@ from pagoda.model.ops.triton_fp8_gemm import (
     quantize_rows,
 )
 
-CALLS_PER_GRAPH = 20
-REPLAYS = 7
 L2_MULTIPLE = 4
 MAX_COPIES = 32
 BLOCK = (128, 128)
@@ -66,31 +64,6 @@ SHAPES = (
     Shape("llama8b gate_up", 28672, 4096),
     Shape("llama8b down", 4096, 14336),
 )
-
-
-def graph_time_us(call: Callable[[int], object], copies: int) -> float:
-    calls = max(CALLS_PER_GRAPH, copies)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(calls):
-            call(i % copies)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(i % copies)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
 
 
 @dataclass

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +26,10 @@ import torch.nn.functional as F
 import triton
 from triton.runtime.errors import OutOfResources
 
+from pagoda.benchmarks.cuda_timing import graph_time_us
 from pagoda.model.ops.triton_gemv import MAX_TOKENS, GemvConfig, gemv, gemv_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-CALLS_PER_GRAPH = 20
-REPLAYS = 7
 # Bytes the rotated weight copies add up to, in L2 sizes (so each copy is evicted before reuse).
 L2_MULTIPLE = 4
 MAX_COPIES = 64
@@ -64,33 +62,6 @@ SHAPES = (
     Shape("qwen3-0.6b gate_up", 6144, 1024),
     Shape("qwen3-0.6b down", 1024, 3072),
 )
-
-
-def graph_time_us(call: Callable[[int], object], copies: int) -> float:
-    """Median microseconds per call of `call(i)` (i cycling through the weight copies), replayed
-    from one CUDA graph of max(CALLS_PER_GRAPH, copies) calls."""
-    calls = max(CALLS_PER_GRAPH, copies)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (cuBLAS workspaces, Triton compiles) outside capture
-        for i in range(calls):
-            call(i % copies)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(i % copies)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
 
 
 @dataclass

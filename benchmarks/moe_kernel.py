@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from triton.runtime.errors import OutOfResources
 
+from pagoda.benchmarks.cuda_timing import graph_time_us
 from pagoda.benchmarks.roofline import DeviceRates, Work, measure_device_rates
 from pagoda.model.layers.fused_moe import Routing, experts_reference, select_experts
 from pagoda.model.ops.triton_fused_moe import GemmConfig, MoeConfig, fused_experts, moe_config
@@ -87,7 +87,9 @@ class Case:
         )
 
     def time_kernel(self, config: MoeConfig | None = None) -> float:
-        return graph_time_us(lambda i: fused_experts(*self.args(i), config=config))
+        return graph_time_us(
+            lambda i: fused_experts(*self.args(i), config=config), CALLS_PER_GRAPH, CALLS_PER_GRAPH, REPLAYS
+        )
 
     def time_reference(self) -> float:
         times = []
@@ -102,31 +104,6 @@ class Case:
     def args(self, i: int) -> tuple[torch.Tensor, ...]:
         x, weights, ids = self.batches[i]
         return x, self.w13, self.w2, weights, ids
-
-
-def graph_time_us(call: Callable[[int], object]) -> float:
-    """Median microseconds per call of `call(i)`, i = 0..CALLS_PER_GRAPH-1, replayed from one graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # Triton compiles outside the capture
-        for i in range(CALLS_PER_GRAPH):
-            call(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS_PER_GRAPH):
-            call(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    del graph
-    return statistics.median(times)
 
 
 def layer_weights(shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
