@@ -65,6 +65,31 @@ def forward_context(metadata: AttentionMetadata, kv_caches: dict[str, torch.Tens
     return ForwardContext(attn_metadata=dict.fromkeys(kv_caches, metadata), kv_caches=kv_caches)
 
 
+def run_step(
+    model: torch.nn.Module,
+    kv_caches: dict[str, torch.Tensor],
+    token_ids: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    intermediate: object = None,
+) -> torch.Tensor | object:
+    """One step of our model (see `build_attn_metadata`): logits on the last pipeline stage,
+    the stage's intermediate tensors on an earlier one."""
+    metadata, positions = build_attn_metadata(query_lens, seq_lens, block_tables, block_size)
+    with torch.no_grad():
+        out = model(token_ids, positions, forward_context(metadata, kv_caches), intermediate)
+        return model.compute_logits(out) if model.model.is_last_stage else out
+
+
+def hf_logits(hf_model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
+    """HF's float32 logits over one sequence (an explicit attention mask: without one HF masks
+    every id equal to pad_token_id)."""
+    with torch.no_grad():
+        return hf_model(token_ids[None], attention_mask=torch.ones_like(token_ids[None])).logits[0].float()
+
+
 def hf_named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Our model's parameters under HF checkpoint names: merged qkv / gate_up split back apart
     (tensor-parallel size 1)."""

@@ -22,9 +22,9 @@ import torch
 from model_utils import (
     allocate_kv_caches,
     assert_greedy_match,
-    build_attn_metadata,
-    forward_context,
     hf_greedy,
+    hf_logits,
+    run_step,
     save_random_checkpoint,
 )
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -97,18 +97,6 @@ def our_model(checkpoint, load_model) -> torch.nn.Module:
     return load_model(checkpoint[0])
 
 
-def _hf_logits(hf_model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(token_ids[None], attention_mask=torch.ones_like(token_ids[None])).logits[0].float()
-
-
-def _run_step(model, kv_caches, token_ids, query_lens, seq_lens, block_tables, intermediate=None):
-    metadata, positions = build_attn_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE)
-    with torch.no_grad():
-        out = model(token_ids, positions, forward_context(metadata, kv_caches), intermediate)
-        return model.compute_logits(out) if model.model.is_last_stage else out
-
-
 def test_config_layouts(checkpoint, our_model):
     config = our_model.config
     assert getattr(config, "layer_types", None) is not None
@@ -145,8 +133,8 @@ def test_full_prefill_three_windows_long_matches_hf(checkpoint, our_model):
     _, hf_model = checkpoint
     tokens = torch.randint(1, VOCAB, (3 * WINDOW + 3,), generator=torch.Generator().manual_seed(0))
     kv_caches = allocate_kv_caches(our_model, num_blocks=12, block_size=BLOCK_SIZE)
-    ours = _run_step(our_model, kv_caches, tokens, [len(tokens)], [len(tokens)], [[3, 1, 8, 2, 6, 9, 11]])
-    ref = _hf_logits(hf_model, tokens)
+    ours = run_step(our_model, kv_caches, tokens, [len(tokens)], [len(tokens)], [[3, 1, 8, 2, 6, 9, 11]], BLOCK_SIZE)
+    ref = hf_logits(hf_model, tokens)
     assert ours.dtype == torch.float32 and ours.shape == (len(tokens), VOCAB)
     top2 = ref.topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).median() > 1e-2, "reference logits too flat for a meaningful check"
@@ -174,18 +162,19 @@ def test_chunked_prefill_and_decode_match_hf(checkpoint, our_model):
     ]
     out_a, out_b = [], []
     for (a0, a1), (b0, b1) in steps:
-        logits = _run_step(
+        logits = run_step(
             our_model,
             kv_caches,
             torch.cat([tokens_a[a0:a1], tokens_b[b0:b1]]),
             [a1 - a0, b1 - b0],
             [a1, b1],
             tables,
+            BLOCK_SIZE,
         )
         out_a.append(logits[: a1 - a0])
         out_b.append(logits[a1 - a0 :])
-    torch.testing.assert_close(torch.cat(out_a), _hf_logits(hf_model, tokens_a), atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(torch.cat(out_b), _hf_logits(hf_model, tokens_b), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(torch.cat(out_a), hf_logits(hf_model, tokens_a), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(torch.cat(out_b), hf_logits(hf_model, tokens_b), atol=ATOL, rtol=RTOL)
 
 
 def test_two_pipeline_stages_match_hf(checkpoint, load_model):
@@ -203,9 +192,9 @@ def test_two_pipeline_stages_match_hf(checkpoint, load_model):
     kv_caches = [allocate_kv_caches(stage, num_blocks=8, block_size=BLOCK_SIZE) for stage in stages]
     assert not set(kv_caches[0]) & set(kv_caches[1])
     table, n = [[5, 1, 7, 2, 6, 3]], len(tokens)
-    intermediate = _run_step(stages[0], kv_caches[0], tokens, [n], [n], table)
-    logits = _run_step(stages[1], kv_caches[1], tokens, [n], [n], table, intermediate)
-    torch.testing.assert_close(logits, _hf_logits(hf_model, tokens), atol=ATOL, rtol=RTOL)
+    intermediate = run_step(stages[0], kv_caches[0], tokens, [n], [n], table, BLOCK_SIZE)
+    logits = run_step(stages[1], kv_caches[1], tokens, [n], [n], table, BLOCK_SIZE, intermediate)
+    torch.testing.assert_close(logits, hf_logits(hf_model, tokens), atol=ATOL, rtol=RTOL)
 
 
 # Engine level: through LLM, against HF's own greedy continuation with its own (sliding) cache.

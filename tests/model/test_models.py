@@ -15,8 +15,8 @@ from model_utils import (
     TINY_CONFIGS,
     VOCAB,
     allocate_kv_caches,
-    build_attn_metadata,
-    forward_context,
+    hf_logits,
+    run_step,
     save_tiny_checkpoint,
 )
 
@@ -46,23 +46,12 @@ def our_model(checkpoint, load_model) -> torch.nn.Module:
     return load_model(checkpoint[0])
 
 
-def _hf_logits(hf_model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(token_ids[None]).logits[0].float()
-
-
-def _run_step(model, kv_caches, token_ids, query_lens, seq_lens, block_tables) -> torch.Tensor:
-    metadata, positions = build_attn_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE)
-    with torch.no_grad():
-        return model.compute_logits(model(token_ids, positions, forward_context(metadata, kv_caches)))
-
-
 def test_full_prefill_matches_hf(checkpoint, our_model):
     _, hf_model = checkpoint
     tokens = torch.randint(0, VOCAB, (21,))
     kv_caches = allocate_kv_caches(our_model, num_blocks=10, block_size=BLOCK_SIZE)
-    ours = _run_step(our_model, kv_caches, tokens, [21], [21], [[3, 1, 8, 2, 6, 9]])
-    ref = _hf_logits(hf_model, tokens)
+    ours = run_step(our_model, kv_caches, tokens, [21], [21], [[3, 1, 8, 2, 6, 9]], BLOCK_SIZE)
+    ref = hf_logits(hf_model, tokens)
     assert ours.dtype == torch.float32 and ours.shape == (21, VOCAB)
     top2 = ref.topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).median() > 1e-2, "reference logits too flat for a meaningful check"
@@ -78,14 +67,20 @@ def test_chunked_prefill_and_decode_in_mixed_batches_match_hf(checkpoint, our_mo
     blocks_a, blocks_b = [7, 2, 5], [1, 9, 4, 6]
     kv_caches = allocate_kv_caches(our_model, num_blocks=10, block_size=BLOCK_SIZE)
 
-    step1 = _run_step(
-        our_model, kv_caches, torch.cat([tokens_a[:9], tokens_b[:6]]), [9, 6], [9, 6], [blocks_a, blocks_b]
+    step1 = run_step(
+        our_model, kv_caches, torch.cat([tokens_a[:9], tokens_b[:6]]), [9, 6], [9, 6], [blocks_a, blocks_b], BLOCK_SIZE
     )
-    step2 = _run_step(
-        our_model, kv_caches, torch.cat([tokens_a[9:], tokens_b[6:]]), [1, 8], [10, 14], [blocks_a, blocks_b]
+    step2 = run_step(
+        our_model,
+        kv_caches,
+        torch.cat([tokens_a[9:], tokens_b[6:]]),
+        [1, 8],
+        [10, 14],
+        [blocks_a, blocks_b],
+        BLOCK_SIZE,
     )
 
-    ref_a, ref_b = _hf_logits(hf_model, tokens_a), _hf_logits(hf_model, tokens_b)
+    ref_a, ref_b = hf_logits(hf_model, tokens_a), hf_logits(hf_model, tokens_b)
     torch.testing.assert_close(torch.cat([step1[:9], step2[:1]]), ref_a, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(torch.cat([step1[9:], step2[1:]]), ref_b, atol=ATOL, rtol=RTOL)
 

@@ -21,9 +21,9 @@ from engine_utils import TARGETS, target_settings
 from model_utils import (
     allocate_kv_caches,
     assert_greedy_match,
-    build_attn_metadata,
-    forward_context,
     hf_greedy,
+    hf_logits,
+    run_step,
     save_random_checkpoint,
 )
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -82,17 +82,6 @@ def our_model(checkpoint, load_model) -> torch.nn.Module:
     return load_model(checkpoint[0])
 
 
-def _hf_logits(hf_model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(token_ids[None]).logits[0].float()
-
-
-def _run_step(model, kv_caches, token_ids, query_lens, seq_lens, block_tables) -> torch.Tensor:
-    metadata, positions = build_attn_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE)
-    with torch.no_grad():
-        return model.compute_logits(model(token_ids, positions, forward_context(metadata, kv_caches)))
-
-
 def test_sparse_and_dense_layers(our_model):
     sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in our_model.model.layers]
     assert sparse == ([True, False, True] if our_model.config.model_type == "qwen3_moe" else [True, True])
@@ -107,8 +96,8 @@ def test_prefill_and_mixed_chunked_step_match_hf(checkpoint, our_model):
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (21,), generator=generator)
     kv_caches = allocate_kv_caches(our_model, num_blocks=10, block_size=BLOCK_SIZE)
-    ours = _run_step(our_model, kv_caches, tokens, [21], [21], [[3, 1, 8, 2, 6, 9]])
-    ref = _hf_logits(hf_model, tokens)
+    ours = run_step(our_model, kv_caches, tokens, [21], [21], [[3, 1, 8, 2, 6, 9]], BLOCK_SIZE)
+    ref = hf_logits(hf_model, tokens)
     top2 = ref.topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).median() > 1e-2, "reference logits too flat for a meaningful check"
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=RTOL)
@@ -116,10 +105,12 @@ def test_prefill_and_mixed_chunked_step_match_hf(checkpoint, our_model):
     tokens_a, tokens_b = torch.randint(0, VOCAB, (10,), generator=generator), torch.randint(0, VOCAB, (14,))
     tables = [[7, 2, 5], [1, 9, 4, 6]]
     kv_caches = allocate_kv_caches(our_model, num_blocks=10, block_size=BLOCK_SIZE)
-    step1 = _run_step(our_model, kv_caches, torch.cat([tokens_a[:9], tokens_b[:6]]), [9, 6], [9, 6], tables)
-    step2 = _run_step(our_model, kv_caches, torch.cat([tokens_a[9:], tokens_b[6:]]), [1, 8], [10, 14], tables)
-    torch.testing.assert_close(torch.cat([step1[:9], step2[:1]]), _hf_logits(hf_model, tokens_a), atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(torch.cat([step1[9:], step2[1:]]), _hf_logits(hf_model, tokens_b), atol=ATOL, rtol=RTOL)
+    step1 = run_step(our_model, kv_caches, torch.cat([tokens_a[:9], tokens_b[:6]]), [9, 6], [9, 6], tables, BLOCK_SIZE)
+    step2 = run_step(
+        our_model, kv_caches, torch.cat([tokens_a[9:], tokens_b[6:]]), [1, 8], [10, 14], tables, BLOCK_SIZE
+    )
+    torch.testing.assert_close(torch.cat([step1[:9], step2[:1]]), hf_logits(hf_model, tokens_a), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(torch.cat([step1[9:], step2[1:]]), hf_logits(hf_model, tokens_b), atol=ATOL, rtol=RTOL)
 
 
 def test_stacked_layout_loads_the_same_weights(checkpoint, our_model, load_model):
