@@ -28,6 +28,10 @@ class Processor:
     ) -> None:
         self.model_config = config.model_config
         self.max_model_len = config.model_config.max_model_len
+        # Mean and CLS pooling and encoders run a pooled prompt in one step: it must fit one.
+        self.pooling_step_budget = (
+            config.scheduler_config.max_num_batched_tokens if config.model_config.pooling_needs_whole_prompt else None
+        )
         self.vocab_size = config.model_config.vocab_size
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -126,7 +130,7 @@ class Processor:
         self._check_token_ids("prompt", prompt_token_ids)
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "prompt must not be empty")
-        pooling.check_length(len(prompt_token_ids), self.max_model_len)
+        pooling.check_length(len(prompt_token_ids), self.max_model_len, self.pooling_step_budget)
         pooling.check_dimensions(params, self.model_config)
         request = EngineCoreRequest(
             request_id=request_id,

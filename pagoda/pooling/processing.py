@@ -50,12 +50,21 @@ def truncate(token_ids: list[int], limit: int, side: str) -> list[int]:
     return token_ids[:limit] if side == "right" else token_ids[-limit:]
 
 
-def check_length(num_tokens: int, max_model_len: int) -> None:
+def check_length(num_tokens: int, max_model_len: int, one_step_budget: int | None) -> None:
+    """At most max_model_len tokens; and where the model pools over the whole prompt in one
+    step (`one_step_budget`: max_num_batched_tokens, else None), at most that step's budget.
+    Checked here, before the request reaches the core, so the error names the route's field."""
     if num_tokens > max_model_len:
         raise InvalidRequestError(
             "prompt",
             f"prompt has {num_tokens} tokens, more than max_model_len ({max_model_len}); "
             "shorten it or set truncate_prompt_tokens",
+        )
+    if one_step_budget is not None and num_tokens > one_step_budget:
+        raise InvalidRequestError(
+            "prompt",
+            f"prompt has {num_tokens} tokens; this model pools over the whole prompt in one step, so at "
+            f"most max_num_batched_tokens = {one_step_budget} fit (shorten it or set truncate_prompt_tokens)",
         )
 
 

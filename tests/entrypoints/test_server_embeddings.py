@@ -66,6 +66,9 @@ def test_over_long_inputs_are_400s_naming_the_field(server: RemoteServer) -> Non
     words = " ".join(["cat"] * BERT_MAX_POSITIONS)
     response = server.post("/v1/embeddings", json={"model": NAME, "input": words})
     assert_error(response, 400, "input", "max_model_len")
+    # Under max_model_len but over the one step an encoder's prompt must fit in (32 tokens).
+    response = server.post("/v1/embeddings", json={"model": NAME, "input": " ".join(["cat"] * 38)})
+    assert_error(response, 400, "input", "max_num_batched_tokens = 32")
     response = server.post("/v1/embeddings", json={"model": NAME, "input": words, "truncate_prompt_tokens": 12})
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["prompt_tokens"] == 12
