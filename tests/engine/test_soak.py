@@ -51,11 +51,15 @@ class SoakSize:
     num_requests: int
     min_tokens: int
     max_tokens: int
+    # Requests of the first wave, sent at once; the rest arrive spread over the run.
     concurrency: int
+    # KV blocks of 16 tokens, the null block included: too few for the load, so requests preempt
+    # each other (17: one max_model_len request and nothing more).
+    num_gpu_blocks: int
 
 
-SOAK_CI = SoakSize(num_requests=120, min_tokens=4, max_tokens=8, concurrency=48)
-SOAK_FULL = SoakSize(num_requests=1000, min_tokens=8, max_tokens=32, concurrency=64)
+SOAK_CI = SoakSize(num_requests=120, min_tokens=4, max_tokens=8, concurrency=48, num_gpu_blocks=17)
+SOAK_FULL = SoakSize(num_requests=1000, min_tokens=8, max_tokens=32, concurrency=64, num_gpu_blocks=41)
 
 
 @dataclass
@@ -71,9 +75,9 @@ class SoakResult:
     seconds: float = 0.0
 
 
-def soak_config(async_scheduling: bool, model: str | None) -> EngineConfig:
-    """`model` None: the default model. 40 blocks of 16 tokens for up to 64 sequences of up to
-    ~50 tokens: they preempt each other."""
+def soak_config(async_scheduling: bool, model: str | None, num_gpu_blocks: int) -> EngineConfig:
+    """`model` None: the default model; up to 64 sequences of up to ~50 tokens in a pool too
+    small for them."""
     return create_engine_config(
         model=model,
         async_scheduling=async_scheduling,
@@ -81,7 +85,7 @@ def soak_config(async_scheduling: bool, model: str | None) -> EngineConfig:
         device="cpu",
         max_model_len=256,
         block_size=16,
-        num_gpu_blocks=41,
+        num_gpu_blocks=num_gpu_blocks,
         max_num_seqs=64,
         max_num_batched_tokens=256,
     )
@@ -154,8 +158,8 @@ async def soak(llm: AsyncLLM, size: SoakSize, seed: int) -> SoakResult:
         tasks.append(task)
         if cancel is not None and cancel[0] == "delay":
             timers.append(asyncio.create_task(cancel_later(task, cancel[1])))
-        if number % 8 == 7:
-            await asyncio.sleep(rng.uniform(0.0, 0.05))  # arrivals spread over the run
+        if number >= size.concurrency and number % 8 == 7:
+            await asyncio.sleep(rng.uniform(0.0, 0.05))  # after the first wave, arrivals spread over the run
     for outcome in await asyncio.gather(*tasks, return_exceptions=True):
         if isinstance(outcome, asyncio.CancelledError):
             result.cancelled += 1
@@ -169,7 +173,7 @@ async def soak(llm: AsyncLLM, size: SoakSize, seed: int) -> SoakResult:
 
 
 def run_soak(size: SoakSize, model: str | None, async_scheduling: bool = False, seed: int = 0) -> SoakResult:
-    llm = AsyncLLM(soak_config(async_scheduling, model))
+    llm = AsyncLLM(soak_config(async_scheduling, model, size.num_gpu_blocks))
 
     async def main() -> SoakResult:
         try:
