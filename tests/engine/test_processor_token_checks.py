@@ -15,7 +15,9 @@ VOCAB = 100
 
 
 def processor() -> Processor:
-    model_config = SimpleNamespace(max_model_len=64, vocab_size=VOCAB, is_embedding_model=False)
+    model_config = SimpleNamespace(
+        max_model_len=64, vocab_size=VOCAB, is_embedding_model=False, pooling_needs_whole_prompt=False
+    )
     return Processor(SimpleNamespace(model_config=model_config), tokenizer=None, eos_token_ids={0})
 
 
