@@ -39,8 +39,9 @@ GEMV_MAX_TOKENS = 16
 SUM_BLOCK_SIZE = 1024
 # SM count assumed off CUDA (the interpreter): an H100/H200's.
 DEFAULT_NUM_SMS = 132
-# Programs per SM the GEMV heuristic aims for.
-PROGRAMS_PER_SM = 2
+# K per split and the most splits of the GEMV's default config (see default_gemv_config).
+GEMV_K_PER_SPLIT = 1024
+GEMV_MAX_SPLIT = 8
 
 
 @dataclass(frozen=True)
@@ -58,18 +59,19 @@ TUNED_GEMV_CONFIGS: dict[tuple[int, int, int], Fp8GemvConfig] = {}
 
 
 def default_gemv_config(n: int, k: int, scale_block_k: int, num_sms: int) -> Fp8GemvConfig:
-    """The widest row block (64, 32 or 16 rows) giving every SM PROGRAMS_PER_SM programs, K
-    split until the SMs are busy; K steps of 256 FP8 bytes per row (never across a scale group)."""
-    block_k = min(256, max(16, triton.next_power_of_2(k)))
+    """64-row blocks stepping 128 FP8 bytes of K per row, K split into runs of about
+    GEMV_K_PER_SPLIT (at most GEMV_MAX_SPLIT), 3 stages: the best of `benchmarks/fp8_gemm.py
+    --sweep` for every Llama-3.1-8B shape at M <= 16 on the H200 (2026-12-02, 1.6-2.6 TB/s where
+    the earlier fill-the-SMs rule gave 0.7-1.9). Narrower blocks only when 64 rows leave fewer
+    row blocks than SMs and K is too short to split."""
+    block_k = min(128, max(16, triton.next_power_of_2(k)))
     if scale_block_k:
         block_k = min(block_k, scale_block_k)
-    target = PROGRAMS_PER_SM * num_sms
-    block_n = next((size for size in (64, 32) if triton.cdiv(n, size) >= target), 16)
-    row_blocks = triton.cdiv(n, block_n)
-    split_k = 1
-    if row_blocks < target:
-        split_k = min(max(1, triton.cdiv(k, block_k)), triton.cdiv(target, row_blocks))
-    return Fp8GemvConfig(block_n, block_k, split_k, num_warps=4, num_stages=4)
+    split_k = max(1, min(GEMV_MAX_SPLIT, k // GEMV_K_PER_SPLIT))
+    block_n = 64
+    while block_n > 16 and triton.cdiv(n, block_n) * split_k < num_sms:
+        block_n //= 2
+    return Fp8GemvConfig(block_n, block_k, split_k, num_warps=4, num_stages=3)
 
 
 def gemv_config(n: int, k: int, m: int, scale_block_k: int, device: torch.device) -> Fp8GemvConfig:
