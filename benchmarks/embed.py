@@ -22,6 +22,7 @@ import torch
 
 from pagoda import LLM
 from pagoda.benchmarks.roofline import (
+    ByteWidths,
     Work,
     attention_flops,
     measure_device_rates,
@@ -30,14 +31,14 @@ from pagoda.benchmarks.roofline import (
 )
 
 
-def embedding_work(hf_config, num_prompts: int, input_len: int, step_tokens: int, dtype_bytes: int) -> Work:
+def embedding_work(hf_config, num_prompts: int, input_len: int, step_tokens: int, widths: ByteWidths) -> Work:
     """Every prompt prefilled whole, steps of `step_tokens` tokens each reading the body once."""
     shape = model_shape(hf_config)
     total = num_prompts * input_len
     steps = math.ceil(total / (step_tokens // input_len * input_len))
-    body_bytes = weight_bytes_per_step(shape, 0, dtype_bytes) - shape.lm_head_params * dtype_bytes
+    body_bytes = weight_bytes_per_step(shape, 0, widths) - shape.lm_head_params * widths.activation
     return Work(
-        bytes_read=steps * body_bytes + total * shape.hidden_size * dtype_bytes,
+        bytes_read=steps * body_bytes + total * shape.hidden_size * widths.activation,
         flops=2 * shape.active_body_params * total
         + attention_flops(shape, num_prompts * input_len * (input_len + 1) // 2),
     )
@@ -84,7 +85,7 @@ def main() -> None:
         args.num_prompts,
         args.input_len,
         config.scheduler_config.max_num_batched_tokens,
-        torch.empty((), dtype=dtype).element_size(),
+        ByteWidths.of(dtype, config.model_config.quantization, config.cache_config.kv_cache_dtype),
     )
     floor = rates.floor_seconds(work)
     print(

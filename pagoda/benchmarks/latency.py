@@ -29,6 +29,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.benchmarks.cli_args import add_latency_args, quantization_kwargs
 from pagoda.benchmarks.hf_peer import free_device_memory, load_hf_model
 from pagoda.benchmarks.roofline import (
+    ByteWidths,
     DeviceRates,
     ModelShape,
     Work,
@@ -120,14 +121,12 @@ def prefill_name(prompt_len: int) -> str:
 
 
 def plan_figures(
-    plan: LatencyPlan, shape: ModelShape, dtype_bytes: int, rates: DeviceRates, num_gpus: int = 1
+    plan: LatencyPlan, shape: ModelShape, widths: ByteWidths, rates: DeviceRates, num_gpus: int = 1
 ) -> list[Figure]:
     """Each figure's work and its floor, the work split evenly over `num_gpus` GPUs."""
-    works = [
-        (decode_name(b), decode_step_work(shape, plan.decode_context_lens(b), dtype_bytes)) for b in plan.batch_sizes
-    ]
+    works = [(decode_name(b), decode_step_work(shape, plan.decode_context_lens(b), widths)) for b in plan.batch_sizes]
     works += [
-        (prefill_name(len(p)), prefill_work(shape, len(p), plan.chunk_size, dtype_bytes)) for p in plan.prefill_prompts
+        (prefill_name(len(p)), prefill_work(shape, len(p), plan.chunk_size, widths)) for p in plan.prefill_prompts
     ]
     return [Figure(name, work, 1000.0 * rates.floor_seconds(work) / num_gpus) for name, work in works]
 
@@ -280,7 +279,7 @@ def run(args: argparse.Namespace) -> dict:
     engine_kwargs["max_num_batched_tokens"] = plan.chunk_size
     device = torch.device(config.device_config.device)
     dtype = model_config.dtype
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    widths = ByteWidths.of(dtype, model_config.quantization, config.cache_config.kv_cache_dtype)
 
     engines = []
     figures: list[Figure] = []
@@ -293,7 +292,7 @@ def run(args: argparse.Namespace) -> dict:
             # Tensor parallelism splits each step's reads and FLOPs across its GPUs; pipeline stages
             # run one after another for a single batch, so they do not lower the floor.
             shape = model_shape(model_config.hf_config)
-            figures = plan_figures(plan, shape, dtype_bytes, rates, args.tensor_parallel_size)
+            figures = plan_figures(plan, shape, widths, rates, args.tensor_parallel_size)
             by_name = {figure.name: figure for figure in figures}
         engine_ms, engine_acceptance = measure(pagoda_generate(llm), plan, acceptance_probe(llm))
         for name, ms in engine_ms.items():

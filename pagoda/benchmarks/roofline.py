@@ -6,7 +6,11 @@ by hand (Llama-3.1-8B in bf16 reads 15.0 GB of weights per decode step).
 A mixture of experts reads, of its routed experts, only those some token of the step picks:
 at one token its k of E per layer (Qwen3-30B-A3B: 3.3B of 30.5B parameters), and, under the
 uniform routing load-balanced training aims at, a share 1 - (1 - k/E)^T of them for T tokens;
-it computes with k of E experts per token."""
+it computes with k of E experts per token.
+
+Bytes per value come from `ByteWidths`: FP8 weights (`quantization="fp8"`) read one byte per
+decoder-body parameter (the LM head and embeddings stay in the activation dtype), an FP8 KV
+cache one byte per cached value. FLOPs are counted at the activation dtype's matmul rate."""
 
 from __future__ import annotations
 
@@ -57,6 +61,31 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
+@dataclass(frozen=True)
+class ByteWidths:
+    """Bytes per value read: decoder-body weights, activations (the LM head, embedding rows)
+    and cached K/V. The body's norms and MoE routers stay unquantized under FP8, but they are
+    well under 0.1% of its parameters, so the body is counted at one width."""
+
+    body: int
+    activation: int
+    kv: int
+
+    @classmethod
+    def uniform(cls, num_bytes: int) -> ByteWidths:
+        return cls(num_bytes, num_bytes, num_bytes)
+
+    @classmethod
+    def of(cls, dtype: torch.dtype, quantization: str | None, kv_cache_dtype: str) -> ByteWidths:
+        """The widths an engine with these settings reads (FP8: one byte)."""
+        activation = torch.empty((), dtype=dtype).element_size()
+        return cls(
+            body=1 if quantization == "fp8" else activation,
+            activation=activation,
+            kv=1 if kv_cache_dtype == "fp8" else activation,
+        )
+
+
 def model_shape(hf_config: PretrainedConfig) -> ModelShape:
     """Counted on the meta device from the HF model class, so every bias and norm is included."""
     with torch.device("meta"):
@@ -85,17 +114,17 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
 
 
 def weight_bytes_per_step(
-    shape: ModelShape, num_tokens: int, dtype_bytes: int, routed_tokens: int | None = None
+    shape: ModelShape, num_tokens: int, widths: ByteWidths, routed_tokens: int | None = None
 ) -> int:
     """Weights one forward pass reads: the body (of its experts, those `routed_tokens` tokens
     pick, by default the `num_tokens` embedded) and the LM head once, one embedding row per token."""
     body = shape.body_params_read(num_tokens if routed_tokens is None else routed_tokens)
-    return (body + shape.lm_head_params + num_tokens * shape.hidden_size) * dtype_bytes
+    return body * widths.body + (shape.lm_head_params + num_tokens * shape.hidden_size) * widths.activation
 
 
-def kv_bytes(shape: ModelShape, num_tokens: int, dtype_bytes: int) -> int:
+def kv_bytes(shape: ModelShape, num_tokens: int, widths: ByteWidths) -> int:
     """Bytes of K and V cached for `num_tokens` tokens."""
-    return num_tokens * shape.kv_values_per_token * dtype_bytes
+    return num_tokens * shape.kv_values_per_token * widths.kv
 
 
 def attention_flops(shape: ModelShape, num_query_key_pairs: int) -> int:
@@ -109,29 +138,29 @@ class Work:
     flops: int
 
 
-def decode_step_work(shape: ModelShape, context_lens: list[int], dtype_bytes: int) -> Work:
+def decode_step_work(shape: ModelShape, context_lens: list[int], widths: ByteWidths) -> Work:
     """One decode step of a batch whose requests attend over `context_lens` tokens each."""
     batch = len(context_lens)
     total_context = sum(context_lens)
     return Work(
-        bytes_read=weight_bytes_per_step(shape, batch, dtype_bytes) + kv_bytes(shape, total_context, dtype_bytes),
+        bytes_read=weight_bytes_per_step(shape, batch, widths) + kv_bytes(shape, total_context, widths),
         flops=2 * (shape.active_body_params + shape.lm_head_params) * batch + attention_flops(shape, total_context),
     )
 
 
-def prefill_work(shape: ModelShape, prompt_len: int, chunk_size: int, dtype_bytes: int) -> Work:
+def prefill_work(shape: ModelShape, prompt_len: int, chunk_size: int, widths: ByteWidths) -> Work:
     """A prompt prefilled in chunks of `chunk_size` tokens, logits for its last token only.
 
     Each chunk reads the weights once and the cached K/V of the chunks before it (a single
     chunk reads none); attention is causal, so token i attends over i + 1 keys."""
     chunk_starts = range(0, prompt_len, chunk_size)
     weight_reads = sum(
-        weight_bytes_per_step(shape, 0, dtype_bytes, routed_tokens=min(chunk_size, prompt_len - start))
+        weight_bytes_per_step(shape, 0, widths, routed_tokens=min(chunk_size, prompt_len - start))
         for start in chunk_starts
     )
-    embedding_rows = prompt_len * shape.hidden_size * dtype_bytes
+    embedding_rows = prompt_len * shape.hidden_size * widths.activation
     return Work(
-        bytes_read=weight_reads + embedding_rows + sum(kv_bytes(shape, start, dtype_bytes) for start in chunk_starts),
+        bytes_read=weight_reads + embedding_rows + sum(kv_bytes(shape, start, widths) for start in chunk_starts),
         flops=2 * shape.active_body_params * prompt_len
         + 2 * shape.lm_head_params
         + attention_flops(shape, prompt_len * (prompt_len + 1) // 2),
@@ -153,7 +182,7 @@ def workload_floor_seconds(
     prompt_lens: list[int],
     output_lens: list[int],
     chunk_size: int,
-    dtype_bytes: int,
+    widths: ByteWidths,
     rates: DeviceRates,
 ) -> float:
     """A lower bound on running a batch of requests that all fit at once: every prompt prefilled
@@ -163,8 +192,8 @@ def workload_floor_seconds(
     total_prompt = sum(prompt_lens)
     prefill = Work(
         bytes_read=math.ceil(total_prompt / chunk_size)
-        * weight_bytes_per_step(shape, 0, dtype_bytes, routed_tokens=min(chunk_size, total_prompt))
-        + total_prompt * shape.hidden_size * dtype_bytes,
+        * weight_bytes_per_step(shape, 0, widths, routed_tokens=min(chunk_size, total_prompt))
+        + total_prompt * shape.hidden_size * widths.activation,
         flops=2 * shape.active_body_params * total_prompt
         + 2 * shape.lm_head_params * len(prompt_lens)
         + attention_flops(shape, sum(n * (n + 1) // 2 for n in prompt_lens)),
@@ -172,7 +201,7 @@ def workload_floor_seconds(
     seconds = rates.floor_seconds(prefill)
     for step in range(1, max(output_lens)):
         contexts = [p + step for p, n in zip(prompt_lens, output_lens, strict=True) if n > step]
-        seconds += rates.floor_seconds(decode_step_work(shape, contexts, dtype_bytes))
+        seconds += rates.floor_seconds(decode_step_work(shape, contexts, widths))
     return seconds
 
 
@@ -183,7 +212,7 @@ def shared_prefix_floor_seconds(
     suffix_lens: list[int],
     output_lens: list[int],
     chunk_size: int,
-    dtype_bytes: int,
+    widths: ByteWidths,
     rates: DeviceRates,
 ) -> float:
     """`workload_floor_seconds` for requests that each start with one of `num_prefixes` shared
@@ -191,11 +220,11 @@ def shared_prefix_floor_seconds(
     prefilled once (the prefix cache) and every decode step reads each prefix's K/V once (the
     cascade), beside each request's own K/V; every request's queries still attend over its prefix."""
     prefill_lens = [prefix_len] * num_prefixes + list(suffix_lens)
-    seconds = workload_floor_seconds(shape, prefill_lens, [1] * len(prefill_lens), chunk_size, dtype_bytes, rates)
-    shared_kv = kv_bytes(shape, num_prefixes * prefix_len, dtype_bytes)
+    seconds = workload_floor_seconds(shape, prefill_lens, [1] * len(prefill_lens), chunk_size, widths, rates)
+    shared_kv = kv_bytes(shape, num_prefixes * prefix_len, widths)
     for step in range(1, max(output_lens)):
         own = [s + step for s, n in zip(suffix_lens, output_lens, strict=True) if n > step]
-        work = decode_step_work(shape, own, dtype_bytes)
+        work = decode_step_work(shape, own, widths)
         seconds += rates.floor_seconds(
             Work(work.bytes_read + shared_kv, work.flops + attention_flops(shape, len(own) * prefix_len))
         )

@@ -37,6 +37,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.benchmarks.cli_args import add_throughput_args, quantization_kwargs
 from pagoda.benchmarks.hf_peer import free_device_memory, load_hf_model
 from pagoda.benchmarks.roofline import (
+    ByteWidths,
     DeviceRates,
     ModelShape,
     measure_device_rates,
@@ -239,7 +240,7 @@ class Floor:
 
     shape: ModelShape
     max_num_batched_tokens: int
-    dtype_bytes: int
+    widths: ByteWidths
     rates: DeviceRates
     num_gpus: int  # every GPU does its share of the work at once (TP splits each step, PP stages overlap)
 
@@ -251,7 +252,7 @@ class Floor:
         return cls(
             model_shape(model_config.hf_config),
             budget,
-            torch.empty((), dtype=model_config.dtype).element_size(),
+            ByteWidths.of(model_config.dtype, model_config.quantization, config.cache_config.kv_cache_dtype),
             measure_device_rates(torch.device(config.device_config.device), model_config.dtype),
             config.parallel_config.world_size,
         )
@@ -266,12 +267,12 @@ class Floor:
                 [n - part.shared_prefix_len for n in lens],
                 part.output_lens,
                 self.max_num_batched_tokens,
-                self.dtype_bytes,
+                self.widths,
                 self.rates,
             )
         else:
             seconds = workload_floor_seconds(
-                self.shape, lens, part.output_lens, self.max_num_batched_tokens, self.dtype_bytes, self.rates
+                self.shape, lens, part.output_lens, self.max_num_batched_tokens, self.widths, self.rates
             )
         return seconds / self.num_gpus
 

@@ -11,6 +11,7 @@ from model_utils import TINY_CONFIGS, save_tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
 from pagoda.benchmarks.roofline import (
+    ByteWidths,
     DeviceRates,
     Work,
     decode_step_work,
@@ -23,6 +24,8 @@ from pagoda.benchmarks.roofline import (
 from pagoda.entrypoints.cli import main
 from pagoda.model.loader.dummy import dummy_shape_config
 
+BF16 = ByteWidths.uniform(2)
+
 
 def test_llama_3_1_8b_reads_15_gb_per_decode_step(h200) -> None:
     shape = model_shape(dummy_shape_config("llama-3.1-8b"))
@@ -30,10 +33,21 @@ def test_llama_3_1_8b_reads_15_gb_per_decode_step(h200) -> None:
     layer = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * inter + 2 * hidden
     assert shape.body_params == 32 * layer + hidden
     assert shape.lm_head_params == 128256 * hidden
-    weights = weight_bytes_per_step(shape, 1, dtype_bytes=2)
+    weights = weight_bytes_per_step(shape, 1, widths=BF16)
     assert weights == pytest.approx(15.0e9, rel=0.001)
     # The figure: 3.52 ms at 4.27 TB/s, for an empty context.
-    assert 1000 * h200.floor_seconds(decode_step_work(shape, [0], 2)) == pytest.approx(3.52, abs=0.005)
+    assert 1000 * h200.floor_seconds(decode_step_work(shape, [0], BF16)) == pytest.approx(3.52, abs=0.005)
+
+
+def test_fp8_weights_and_kv_cache_read_one_byte_per_value(h200) -> None:
+    shape = model_shape(dummy_shape_config("llama-3.1-8b"))
+    fp8 = ByteWidths.of(torch.bfloat16, "fp8", "fp8")
+    assert fp8 == ByteWidths(body=1, activation=2, kv=1)
+    assert ByteWidths.of(torch.bfloat16, None, "auto") == BF16
+    # The body's 6.98B parameters at one byte, the LM head's 0.53B in bf16: 8.03 GB, 1.88 ms at 4.27 TB/s.
+    assert weight_bytes_per_step(shape, 1, fp8) == shape.body_params + (shape.lm_head_params + 4096) * 2
+    assert 1000 * h200.floor_seconds(decode_step_work(shape, [0], fp8)) == pytest.approx(1.88, abs=0.005)
+    assert kv_bytes(shape, 10, fp8) * 2 == kv_bytes(shape, 10, BF16)
 
 
 def test_qwen3_0_6b_tied_lm_head_is_read_as_the_lm_head(h200) -> None:
@@ -41,28 +55,28 @@ def test_qwen3_0_6b_tied_lm_head_is_read_as_the_lm_head(h200) -> None:
     assert shape.lm_head_params == 151936 * 1024
     # 596,049,920 parameters in all; the tied embedding is read once, as the LM head.
     assert shape.body_params + shape.lm_head_params == 596_049_920
-    assert weight_bytes_per_step(shape, 1, 2) == (596_049_920 + 1024) * 2  # 1.19 GB
-    assert 1000 * h200.floor_seconds(decode_step_work(shape, [0], 2)) == pytest.approx(0.279, abs=0.001)
+    assert weight_bytes_per_step(shape, 1, BF16) == (596_049_920 + 1024) * 2  # 1.19 GB
+    assert 1000 * h200.floor_seconds(decode_step_work(shape, [0], BF16)) == pytest.approx(0.279, abs=0.001)
     # 28 layers x 8 KV heads x 128 x (K and V) x 2 bytes = 114,688 bytes per cached token.
-    assert kv_bytes(shape, 1, 2) == 114_688
+    assert kv_bytes(shape, 1, BF16) == 114_688
 
 
 def test_decode_step_adds_kv_reads_and_attention_flops() -> None:
     shape = model_shape(dummy_shape_config("qwen3-0.6b"))
-    empty, full = decode_step_work(shape, [0, 0], 2), decode_step_work(shape, [100, 300], 2)
-    assert full.bytes_read - empty.bytes_read == kv_bytes(shape, 400, 2)
+    empty, full = decode_step_work(shape, [0, 0], BF16), decode_step_work(shape, [100, 300], BF16)
+    assert full.bytes_read - empty.bytes_read == kv_bytes(shape, 400, BF16)
     assert full.flops - empty.flops == 4 * 28 * 16 * 128 * 400
     assert empty.flops == 2 * 596_049_920 * 2
 
 
 def test_prefill_reads_weights_once_per_chunk_and_computes_causal_attention(h200) -> None:
     shape = model_shape(dummy_shape_config("llama-3.1-8b"))
-    one = prefill_work(shape, 8192, chunk_size=8192, dtype_bytes=2)
-    two = prefill_work(shape, 8192, chunk_size=4096, dtype_bytes=2)
-    weights = weight_bytes_per_step(shape, 0, 2)
+    one = prefill_work(shape, 8192, chunk_size=8192, widths=BF16)
+    two = prefill_work(shape, 8192, chunk_size=4096, widths=BF16)
+    weights = weight_bytes_per_step(shape, 0, BF16)
     assert one.bytes_read == weights + 8192 * 4096 * 2
     # The second chunk reads the weights again and the first chunk's cached K/V.
-    assert two.bytes_read - one.bytes_read == weights + kv_bytes(shape, 4096, 2)
+    assert two.bytes_read - one.bytes_read == weights + kv_bytes(shape, 4096, BF16)
     assert (
         one.flops
         == two.flops

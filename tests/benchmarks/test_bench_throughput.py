@@ -11,6 +11,7 @@ from model_utils import TINY_CONFIGS
 from transformers import AutoModelForCausalLM
 
 from pagoda.benchmarks.roofline import (
+    ByteWidths,
     decode_step_work,
     model_shape,
     shared_prefix_floor_seconds,
@@ -25,6 +26,8 @@ from pagoda.model.loader.dummy import dummy_shape_config
 # A dummy model of a real shape: the workload's token ids (100..9999) fit its vocabulary.
 SMALL = ["--model", "smollm2-135m", "--load-format", "dummy", "--device", "cpu"]
 SMALL += ["--num-prompts", "3", "--min-prompt-len", "4", "--max-prompt-len", "20", "--output-len", "5"]
+
+BF16 = ByteWidths.uniform(2)
 
 
 def test_bench_throughput_prints_the_table(capsys) -> None:
@@ -81,11 +84,11 @@ def test_nanobench_workload_is_the_published_one() -> None:
 
 def test_workload_floor_is_one_prefill_then_a_decode_step_per_later_token(h200) -> None:
     shape = model_shape(dummy_shape_config("qwen3-0.6b"))
-    floor = workload_floor_seconds(shape, [10, 20], [3, 1], chunk_size=8192, dtype_bytes=2, rates=h200)
+    floor = workload_floor_seconds(shape, [10, 20], [3, 1], chunk_size=8192, widths=BF16, rates=h200)
     # Both prompts in one prefill step (30 tokens); then request 0 alone decodes its 2nd and 3rd tokens.
-    prefill_bytes = weight_bytes_per_step(shape, 0, 2) + 30 * 1024 * 2
+    prefill_bytes = weight_bytes_per_step(shape, 0, BF16) + 30 * 1024 * 2
     prefill_flops = 2 * shape.body_params * 30 + 2 * 2 * shape.lm_head_params + 4 * 28 * 16 * 128 * (55 + 210)
-    steps = [decode_step_work(shape, [11], 2), decode_step_work(shape, [12], 2)]
+    steps = [decode_step_work(shape, [11], BF16), decode_step_work(shape, [12], BF16)]
     expected = max(prefill_bytes / 4.27e12, prefill_flops / 789e12) + sum(map(h200.floor_seconds, steps))
     assert floor == pytest.approx(expected, rel=1e-12)
 
@@ -93,7 +96,7 @@ def test_workload_floor_is_one_prefill_then_a_decode_step_per_later_token(h200) 
 def test_nanobench_floor_of_the_qwen3_shape_is_about_3_5_s_on_an_h200(h200) -> None:
     workload = nanobench_workload()
     shape = model_shape(dummy_shape_config("qwen3-0.6b"))
-    floor = workload_floor_seconds(shape, [len(p) for p in workload.prompts], workload.output_lens, 8192, 2, h200)
+    floor = workload_floor_seconds(shape, [len(p) for p in workload.prompts], workload.output_lens, 8192, BF16, h200)
     # The issue's estimate is about 3.5 s; the KV cache read by 133k decode tokens is most of it.
     assert 3.4 < floor < 3.9
 
@@ -113,14 +116,14 @@ def test_shared_prefix_workload_takes_its_prefixes_round_robin() -> None:
 def test_shared_prefix_floor_reads_each_prefix_once_per_step(h200) -> None:
     shape = model_shape(dummy_shape_config("qwen3-0.6b"))
     # The issue's workload: 256 requests = one 2,048-token prefix + 64 own tokens, 128 tokens each.
-    floor = shared_prefix_floor_seconds(shape, 2048, 1, [64] * 256, [128] * 256, 8192, 2, h200)
-    plain = workload_floor_seconds(shape, [2112] * 256, [128] * 256, 8192, 2, h200)
+    floor = shared_prefix_floor_seconds(shape, 2048, 1, [64] * 256, [128] * 256, 8192, BF16, h200)
+    plain = workload_floor_seconds(shape, [2112] * 256, [128] * 256, 8192, BF16, h200)
     assert 0.15 < floor < 0.25 < 2.5 < plain  # the issue: about 0.19 s with the prefix read once
     # A step of one prefix over two requests reads what one request of prefix + own tokens and
     # the other's own tokens read.
-    step = shared_prefix_floor_seconds(shape, 100, 1, [5, 7], [2, 2], 8192, 2, h200) - shared_prefix_floor_seconds(
-        shape, 100, 1, [5, 7], [1, 1], 8192, 2, h200
+    step = shared_prefix_floor_seconds(shape, 100, 1, [5, 7], [2, 2], 8192, BF16, h200) - shared_prefix_floor_seconds(
+        shape, 100, 1, [5, 7], [1, 1], 8192, BF16, h200
     )
-    own = decode_step_work(shape, [6, 8], 2)
+    own = decode_step_work(shape, [6, 8], BF16)
     expected = own.bytes_read + 100 * shape.kv_values_per_token * 2
     assert step == pytest.approx(expected / 4.27e12, rel=1e-12)
