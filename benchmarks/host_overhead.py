@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from pagoda import LLM, SamplingParams
+from pagoda.sampling_params import RequestOutputKind
 
 PHASES = ("schedule", "execute host", "forward+sample", "update_from_output", "process_outputs", "step")
 
@@ -64,7 +65,8 @@ def one_round(llm: LLM, args: argparse.Namespace, round_index: int) -> tuple[dic
     runner = core.executor.worker.model_runner
     rng = np.random.default_rng(round_index)
     prefix = rng.integers(0, 1000, args.prefix_len).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    output_kind = RequestOutputKind[args.output_kind.upper()]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, output_kind=output_kind)
     times: dict[str, list[float]] = defaultdict(list)
     patched = {
         (core.scheduler, "schedule"): "schedule",
@@ -114,6 +116,12 @@ def main() -> None:
     parser.add_argument("--suffix-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--output-kind",
+        choices=["final_only", "cumulative"],
+        default="final_only",
+        help="final_only: what LLM.generate asks for; cumulative: an output per request and step (streaming)",
+    )
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     torch.set_num_threads(1)

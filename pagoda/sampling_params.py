@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 
 from pagoda.errors import InvalidRequestError
@@ -116,6 +117,16 @@ class StructuredOutputsParams:
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
+class RequestOutputKind(enum.Enum):
+    """Which `RequestOutput`s a request yields (vLLM's names): CUMULATIVE, one per step with
+    everything so far (streaming); FINAL_ONLY, only the finished one. `LLM.generate` and
+    `LLM.chat` ask for FINAL_ONLY: building and dropping a cumulative output per request and
+    step copies every output token once per step, quadratic in the output length."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop, with the usual (OpenAI / vLLM) meanings.
@@ -172,6 +183,7 @@ class SamplingParams:
     # Keep only the prompt's last N tokens (None: a prompt too long for the context is an error).
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the model (generation_config eos ids); not a user setting.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine's processor: bad_words as token id sequences.
@@ -193,6 +205,8 @@ class SamplingParams:
         def bad(name: str, limit: str, value: object) -> SamplingParamsError:
             return SamplingParamsError(name, f"{name} must be {limit}, got {value!r}")
 
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "a RequestOutputKind (CUMULATIVE or FINAL_ONLY)", self.output_kind)
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"an integer in [1, {MAX_N}]", self.n)
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:

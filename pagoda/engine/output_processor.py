@@ -33,7 +33,7 @@ from pagoda.outputs import (
     RequestOutput,
     SampleLogprobs,
 )
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,8 @@ class OutputProcessor:
             if finish_reason is not None and core_output.finish_reason is None:
                 processed.stopped_by_string.append(state.request_id)
             if state.parent is None:
-                processed.outputs.append(state.to_output(finish_reason, stop_reason))
+                if finish_reason is not None or state.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    processed.outputs.append(state.to_output(finish_reason, stop_reason))
             else:
                 completion = state.to_completion(finish_reason, stop_reason)
                 self._released += state.parent.record(state.index, completion, state.prompt_logprobs, now)
@@ -202,9 +203,11 @@ class OutputProcessor:
         for parent in updated_parents.values():
             if parent.request_id not in self.parent_requests:
                 continue  # failed later in this step: its final output is out already
-            processed.outputs.append(parent.to_output())
             if parent.finished:
+                processed.outputs.append(parent.to_output())
                 del self.parent_requests[parent.request_id]
+            elif parent.output_kind is not RequestOutputKind.FINAL_ONLY:
+                processed.outputs.append(parent.to_output())
         return processed
 
     def _apply(

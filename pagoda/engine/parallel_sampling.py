@@ -46,6 +46,7 @@ class ParentRequest:
         self.prompt = prompt
         self.prompt_token_ids = list(request.prompt_token_ids)
         self.n = params.n
+        self.output_kind = params.output_kind
         # The parent's message with the child's id and sampling params (prompt, EOS ids,
         # arrival time and cache salt shared).
         self.children = [

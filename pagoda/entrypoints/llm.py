@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -24,7 +25,7 @@ from pagoda.outputs import (
 )
 from pagoda.pooling.score import cosine_similarity, score_pairs
 from pagoda.pooling_params import PoolingParams
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -97,7 +98,7 @@ class LLM:
         `cache_salt` isolates the batch in the prefix cache: only requests with the same salt share blocks."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
-        request_ids = self._add_all(prompt_list, params_list, cache_salt)
+        request_ids = self._add_all(prompt_list, _final_only(params_list), cache_salt)
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(
@@ -207,6 +208,13 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """The params with output_kind FINAL_ONLY (copied once per distinct object, the user's left
+    as they are): a batch run to completion needs no per-step outputs."""
+    copies: dict[int, SamplingParams] = {}
+    return [copies.setdefault(id(p), replace(p, output_kind=RequestOutputKind.FINAL_ONLY)) for p in params]
 
 
 def _as_params_list(

@@ -31,6 +31,7 @@ from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.parallel_sampling import ParentRequest
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import EngineCoreOutput, Logprob, RequestOutput
+from pagoda.sampling_params import RequestOutputKind
 from pagoda.scheduler.request import Request
 
 # float32 engine vs float64 reference on logits of magnitude ~10: errors ~1e-5.
@@ -261,6 +262,8 @@ def test_mixed_batch_gives_each_request_its_result_alone_in_any_order(tiny_model
         assert_same_outcome(other, single)
     random_rows = [outcome(o)[0][0] for o, p in zip(batch, params, strict=True) if not p.greedy]
     assert len({tuple(tokens) for tokens in random_rows}) == len(random_rows)
+    # generate ran them FINAL_ONLY on copies: the caller's params are as they were.
+    assert all(p.output_kind is RequestOutputKind.CUMULATIVE for p in params)
 
 
 def test_parallel_samples_share_the_prompt_blocks(tiny_model) -> None:
