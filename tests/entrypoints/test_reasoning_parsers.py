@@ -15,6 +15,7 @@ from test_tool_parsers import PARIS, stream
 
 from pagoda.entrypoints.openai.message_parser import MessageParser, ParsedMessage
 from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS, OutputStart
+from pagoda.entrypoints.openai.reasoning.base import count_reasoning_tokens
 from pagoda.entrypoints.openai.reasoning.gate import ReasoningMarkers, output_start
 from pagoda.entrypoints.openai.structured import json_object
 from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
@@ -110,3 +111,24 @@ def test_the_parser_follows_the_prompts_start(
     parser = REASONING_PARSERS[name]
     assert MessageParser(parser(start), None).parse(text) == ParsedMessage(content, reasoning)
     assert stream(MessageParser(parser(start), None), text, 3) == ParsedMessage(content, reasoning)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "expected"),
+    [
+        (["Let", " me", " see", "</think>", "Paris", "."], 4),  # through the marker
+        (["<think>", "hm", "</think>", "\n\n", "Paris"], 3),  # the model opened it
+        (["Let", " me", " see"], 3),  # cut off while reasoning: all of it
+        (["</", "think", ">", "Paris"], 3),  # a marker of several tokens
+    ],
+)
+def test_reasoning_tokens_are_those_through_the_end_marker(pieces: list[str], expected: int) -> None:
+    decodes = []
+
+    def decode(ids: list[int]) -> str:
+        decodes.append(len(ids))
+        return "".join(pieces[i] for i in ids)
+
+    ids = list(range(len(pieces)))
+    assert count_reasoning_tokens("".join(pieces), ids, "</think>", decode) == expected
+    assert len(decodes) <= len(pieces).bit_length()

@@ -680,6 +680,8 @@ def test_the_reasoning_is_an_item_before_the_answer_and_a_format_shapes_the_answ
     reasoning = response.output[0]
     assert reasoning.id.startswith("rs_") and reasoning.summary == [] and reasoning.status == "completed"
     assert [(part.type, part.text) for part in reasoning.content] == [("reasoning_text", "a")]
+    # "a" and "</think>": the output tokens before the answer.
+    assert response.usage.output_tokens_details.reasoning_tokens == 2 < response.usage.output_tokens
     jsonschema.validate(json.loads(response.output_text), BOUNDED)
     # Sent back whole with the next message, the reasoning item is accepted (and not rendered).
     again = think(

@@ -43,6 +43,7 @@ from pagoda.entrypoints.openai.protocol_responses import (
     FunctionCallOutputInput,
     FunctionToolChoice,
     IncompleteDetails,
+    OutputTokensDetails,
     ReasoningInput,
     ResponseEvent,
     ResponseLifecycleEvent,
@@ -52,6 +53,7 @@ from pagoda.entrypoints.openai.protocol_responses import (
     Turn,
     TurnCall,
 )
+from pagoda.entrypoints.openai.reasoning.base import count_reasoning_tokens
 from pagoda.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagoda.entrypoints.openai.responses_items import ResponseItems
 from pagoda.entrypoints.openai.serving_base import (
@@ -122,6 +124,7 @@ class OpenAIServingResponses(OpenAIServing):
             created(),
             conversation,
             parsers,
+            params.skip_special_tokens,
         )
         return await self.respond(
             raw_request,
@@ -219,12 +222,24 @@ class OpenAIServingResponses(OpenAIServing):
         status = "incomplete" if completion.finish_reason == "length" else "completed"
         events = items.finish(calls, status)
         input_tokens, output_tokens = len(output.prompt_token_ids), len(completion.token_ids)
+        reasoning = draft.parsers.reasoning if draft.parsers is not None else None
+        reasoning_tokens = 0
+        if reasoning is not None and any(item.type == "reasoning" for item in items.items):
+            reasoning_tokens = count_reasoning_tokens(
+                completion.text,
+                completion.token_ids,
+                reasoning.end_marker,
+                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=draft.skip_special_tokens),
+            )
         response = draft.response(
             status,
             output=items.items,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             usage=ResponseUsage(
-                input_tokens=input_tokens, output_tokens=output_tokens, total_tokens=input_tokens + output_tokens
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+                output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
+                total_tokens=input_tokens + output_tokens,
             ),
         )
         if draft.body.store:
@@ -253,6 +268,8 @@ class Draft:
     created_at: int
     conversation: tuple[Turn, ...]
     parsers: MessageParsers | None
+    # How the output's text was decoded (its reasoning tokens are counted on that text).
+    skip_special_tokens: bool
 
     def response(self, status: str, **fields: Any) -> ResponseObject:
         body = self.body

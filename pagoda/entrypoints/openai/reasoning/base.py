@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -43,3 +44,22 @@ class ReasoningParser(ABC):
     @abstractmethod
     def split(self, text: str, final: bool = True) -> ReasoningSplit:
         """The settled part of `text` as reasoning and content; with `final`, all of it."""
+
+
+def count_reasoning_tokens(text: str, token_ids: list[int], end_marker: str, decode: Callable[[list[int]], str]) -> int:
+    """Output tokens spent reasoning (a usage figure: `reasoning_tokens`) for an output that
+    reasoned: those up to and with the end marker, or all of them when it never got there.
+    `decode` turns ids into text as the output's text was made; the prefix whose text first
+    reaches past the marker is found by bisection, so a long output costs a few decodes."""
+    end = text.find(end_marker)
+    if end < 0:
+        return len(token_ids)
+    boundary = end + len(end_marker)
+    low, high = 0, len(token_ids)
+    while low < high:
+        middle = (low + high) // 2
+        if len(decode(token_ids[:middle])) >= boundary:
+            high = middle
+        else:
+            low = middle + 1
+    return low
