@@ -315,7 +315,8 @@ class SpeculativeConfig:
     own prompt and output and drafts what followed; `draft_model`, `eagle` and `eagle3` need
     `model` (a draft checkpoint or head). `forced_acceptance` is benchmark-only (see
     `pagoda.benchmarks`): each draft is accepted with that probability whatever the model says, so
-    the outputs are not the model's; `from_value` refuses it.
+    the outputs are not the model's; `from_value` refuses it. `draft_model_config` is derived
+    (the resolved draft of `draft_model`, see `pagoda.spec_decode.draft_config`), never set.
     """
 
     method: str
@@ -324,6 +325,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     model: str | None = None
     forced_acceptance: float | None = None
+    draft_model_config: ModelConfig | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -360,7 +362,7 @@ class SpeculativeConfig:
                 "speculative_config.forced_acceptance is benchmark-only (its outputs are not the model's): "
                 "use `pagoda bench latency/throughput --forced-acceptance ALPHA`"
             )
-        names = {f.name for f in fields(cls)} - {"forced_acceptance"}
+        names = {f.name for f in fields(cls)} - {"forced_acceptance", "draft_model_config"}
         unknown = sorted(set(value) - names)
         if unknown:
             raise ConfigError(f"unknown speculative_config keys {unknown}; known: {sorted(names)}")

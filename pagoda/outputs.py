@@ -143,6 +143,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
     # Pooling models: the vector of each request whose prompt completed this step (no tokens).
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
+    # Speculative decoding with a draft model: per batch row, the drafts proposed after this
+    # step's tokens (for the next step to verify); None when the runner proposes nothing.
+    draft_token_ids: list[list[int]] | None = None
 
     def token_logprobs(self, index: int, num_tokens: int, num_top: int) -> LogprobsArrays | None:
         """The logprobs of batch row `index`'s first `num_tokens` tokens, with `num_top` top columns."""

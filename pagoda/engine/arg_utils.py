@@ -28,6 +28,7 @@ from pagoda.config import (
 from pagoda.model.layers.quantization.config import check_kv_cache_dtype, resolve_quantization
 from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
 from pagoda.pooling.config import resolve_pooler_config, resolve_task
+from pagoda.spec_decode.draft_config import resolve_draft_model
 
 _DTYPES = {
     "float32": torch.float32,
@@ -148,7 +149,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
 
 
 # Proposers built so far; the others are refused, never silently ignored.
-BUILT_SPECULATIVE_METHODS = ("ngram",)
+BUILT_SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 def _resolve_speculative(
@@ -180,6 +181,8 @@ def _resolve_speculative(
         )
     if parallel_config.pipeline_parallel_size > 1:
         raise ConfigError("speculative_config needs pipeline_parallel_size 1 (pipelined verify steps are not built)")
+    if config.method == "draft_model":
+        config = resolve_draft_model(config, model_config)
     return config
 
 

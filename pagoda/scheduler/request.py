@@ -57,6 +57,8 @@ class Request:
         self.num_pending_tokens = 0
         # Draft tokens of a verify step whose output has not come back (speculative decoding).
         self.num_inflight_drafts = 0
+        # Drafts a draft model proposed after its last step's tokens, for its next step to verify.
+        self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []

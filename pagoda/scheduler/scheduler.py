@@ -18,13 +18,17 @@ it, stalling the pipeline), so consecutive batches hold different requests; each
 request carries the tokens sampled since it last ran, for the stages that do not sample.
 
 Speculative decoding: a decoding request may carry up to k draft tokens (from the n-gram
-proposer), verified in the same step. Their KV slots are reserved and counted in the token
+proposer here, or from a draft model in the runner, which returns them with a step's output),
+verified in the same step. Their KV slots are reserved and counted in the token
 budget, and `num_computed_tokens` advances over them; when the output shows how many were
 accepted, the rejected ones are taken back (their KV is never registered in the prefix
 cache: only blocks below the corrected count are). Drafts never take a request past
 max_tokens or max_model_len. A request whose verify step is in flight is not scheduled again
 until its accepted count is back (where its next token goes depends on it), so under async
-scheduling a speculating request's steps do not overlap each other.
+scheduling a speculating request's steps do not overlap each other. With a draft model a
+request whose sampling step is in flight waits too (its drafts come back with that step), and
+a step that samples gets k lookahead slots past its tokens for the drafts' own KV (see
+pagoda/spec_decode/draft_model.py).
 
 Pooling requests (embeddings) are scheduled like prefills within the token budget and finish
 with their vector in the step that completes their prompt. With `whole_prompt_pooling` (mean
@@ -87,11 +91,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_speculative_tokens = 0
         self.proposer: NgramProposer | None = None
+        # True when the runner's draft model proposes (each output carries the next step's drafts).
+        self.drafts_from_runner = False
         self.spec_stats: SpecDecodingStats | None = None
         if speculative_config is not None:
-            if speculative_config.method != "ngram":
-                raise ValueError(f"the scheduler proposes n-gram drafts only, not {speculative_config.method!r}")
             self.num_speculative_tokens = speculative_config.num_speculative_tokens
+            self.spec_stats = SpecDecodingStats()
+            self.drafts_from_runner = speculative_config.method != "ngram"
+        if speculative_config is not None and not self.drafts_from_runner:
             self.proposer = NgramProposer(
                 self.max_num_seqs,
                 self.max_model_len,
@@ -99,7 +106,6 @@ class Scheduler:
                 speculative_config.prompt_lookup_max,
                 fill_drafts=speculative_config.forced_acceptance is not None,
             )
-            self.spec_stats = SpecDecodingStats()
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -186,21 +192,23 @@ class Scheduler:
         preempted_req_ids: set[str] = set()
 
         spec_tokens: dict[str, list[int]] = {}
-        proposals = self._propose() if self.proposer is not None else {}
+        proposals = self._propose() if self.num_speculative_tokens else {}
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.num_inflight_drafts:
-                index += 1  # where its next token goes depends on its accepted count: wait for it
+            if request.num_inflight_drafts or (self.drafts_from_runner and request.num_pending_tokens):
+                index += 1  # where its next token goes (or its drafts) depends on its output: wait for it
                 continue
             num_new = min(self._num_tokens_to_compute(request), budget)
             if num_new == 0 or (self.pipeline_parallel and request.num_pending_tokens):
                 index += 1
                 continue
             proposal = proposals.get(request.request_id)
+            request.spec_token_ids = []
             drafts = self._capped_drafts(request, proposal, budget - num_new) if proposal else []
-            new_block_ids = kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
+            lookahead = self._draft_lookahead(request, num_new + len(drafts))
+            new_block_ids = kv.allocate_slots(request, num_new + len(drafts) + lookahead) if drafts or lookahead else None
             if new_block_ids is None:
                 drafts = []  # no room for the drafts: schedule the plain step (which may preempt)
                 new_block_ids = self._allocate_or_preempt(request, num_new, preempted_req_ids)
@@ -338,6 +346,8 @@ class Scheduler:
                     break
             if status is None:
                 kv.update_block_hashes(request)
+                if model_runner_output.draft_token_ids is not None and request.status == RequestStatus.RUNNING:
+                    request.spec_token_ids = model_runner_output.draft_token_ids[index]
             else:
                 stopped.append((request, status))
             params = request.sampling_params
@@ -414,13 +424,13 @@ class Scheduler:
             )
 
     def _propose(self) -> dict[str, list[int]]:
-        """N-gram drafts for the running requests about to decode, proposed in one batch.
+        """Drafts for the running requests about to decode: the draft model's from their last
+        output, or n-gram drafts proposed here in one batch.
 
         A request with a plain step in flight is proposed for from its known history (one token
         stale): k + 1 tokens are drafted and the first, the guess of the token in flight, dropped.
         """
         proposer = self.proposer
-        assert proposer is not None
         candidates = [
             request
             for request in self.running
@@ -428,10 +438,13 @@ class Scheduler:
             and request.num_pending_tokens <= 1
             and self._num_tokens_to_compute(request) == 1
         ]
+        if self.drafts_from_runner:
+            return {r.request_id: r.spec_token_ids for r in candidates if r.spec_token_ids and not r.num_pending_tokens}
         if not candidates:
             return {}
         slots = [proposer.sync(request.request_id, request.all_token_ids) for request in candidates]
         k = self.num_speculative_tokens
+        assert proposer is not None
         drafts, counts = proposer.propose(slots, k + 1)
         proposals = {}
         for row, request in enumerate(candidates):
@@ -448,6 +461,14 @@ class Scheduler:
         if request.max_tokens is not None:
             room = min(room, request.max_tokens - request.num_output_tokens - in_flight - 1)
         return drafts[: max(0, min(room, budget))]
+
+    def _draft_lookahead(self, request: Request, num_new: int) -> int:
+        """Slots past a step's tokens for the KV of the drafts a draft model proposes after it (k,
+        within max_model_len), when the step samples; 0 otherwise."""
+        end = request.num_computed_tokens + num_new
+        if not self.drafts_from_runner or end < request.num_tokens:
+            return 0
+        return max(0, min(self.num_speculative_tokens, self.max_model_len - end))
 
     def _take_back_rejected(self, request: Request, scheduler_output: SchedulerOutput, sampled: list[int]) -> int:
         """After a verify step: count its acceptance and un-compute its rejected drafts (their slots
@@ -490,6 +511,7 @@ class Scheduler:
             if self.proposer is not None:
                 self.proposer.remove(victim.request_id)
             victim.status = RequestStatus.PREEMPTED
+            victim.spec_token_ids = []
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
             self.num_preemptions += 1

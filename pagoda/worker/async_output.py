@@ -34,6 +34,7 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         prompt_logprobs: dict[str, LogprobsArrays],
         copy_stream: torch.cuda.Stream | None,
         on_ready: Callable[[AsyncGPUModelRunnerOutput, np.ndarray], None],
+        draft_token_ids: torch.Tensor | None = None,
     ) -> None:
         self.req_ids = req_ids
         self.sample_rows = sample_rows
@@ -53,6 +54,10 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         tensors = [sampled_token_ids]
         if logprobs is not None:
             tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
+        # Per sampled row, the drafts a draft model proposed after its new tokens ([rows, k], -1 padded).
+        self._has_drafts = draft_token_ids is not None
+        if draft_token_ids is not None:
+            tensors.append(draft_token_ids)
         if copy_stream is None:
             self._host = [t.cpu() for t in tensors]
             return
@@ -95,9 +100,15 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         else:
             for row, tokens in zip(self.sample_rows.tolist(), sampled, strict=True):
                 sampled_token_ids[row] = tokens[tokens >= 0].tolist()
+        host = self._host[:-1] if self._has_drafts else self._host
+        draft_token_ids = None
+        if self._has_drafts:
+            draft_token_ids = [[] for _ in self.req_ids]
+            for row, drafts in zip(self.sample_rows.tolist(), self._host[-1].numpy(), strict=True):
+                draft_token_ids[row] = drafts[drafts >= 0].tolist()
         logprobs = logprobs_start = None
-        if len(self._host) > 1:
-            logprobs = LogprobsArrays(*(tensor.numpy() for tensor in self._host[1:]))
+        if len(host) > 1:
+            logprobs = LogprobsArrays(*(tensor.numpy() for tensor in host[1:]))
             logprobs_start = [-1] * len(self.req_ids)
             for row, start in zip(self.sample_rows.tolist(), self.logits_start.tolist(), strict=True):
                 logprobs_start[row] = start
@@ -108,4 +119,5 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             logprobs=logprobs,
             logprobs_start=logprobs_start,
             prompt_logprobs=self._prompt_logprobs,
+            draft_token_ids=draft_token_ids,
         )

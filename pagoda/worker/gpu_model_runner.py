@@ -40,6 +40,7 @@ from pagoda.sample.sampler import Sampler
 from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.scheduler.block_pool import NULL_BLOCK_ID
 from pagoda.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.spec_decode.draft_model import DraftModelProposer
 from pagoda.spec_decode.verification import verify_drafts
 from pagoda.structured_output.spec import GrammarSpec
 from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
@@ -200,6 +201,10 @@ class GPUModelRunner:
         # A verify step's drafts and logits starts, staged in pinned memory like the inputs above.
         max_drafts = speculative.num_speculative_tokens if speculative is not None else 0
         self.draft_token_ids = buffer(self.max_num_reqs * max_drafts, torch.int64)
+        # A draft model proposing after each step (built by load_model); None: the scheduler's n-grams or none.
+        self.drafter: DraftModelProposer | None = None
+        if speculative is not None and speculative.draft_model_config is not None:
+            self.drafter = DraftModelProposer(self, speculative.draft_model_config, max_drafts)
         self.logits_start = buffer(self.max_num_reqs, torch.int64)
         # Where the previous step's sampled ids go in this step's input ids (async scheduling).
         self.prev_sampled_dst = buffer(self.max_num_reqs, torch.int64)
@@ -247,6 +252,10 @@ class GPUModelRunner:
         self.model = get_model(self.model_config, self.attn_backend, self.device)
         if self.memory_pool is not None:
             self.memory_pool.pack_module(self.model, "weights")
+        if self.drafter is not None:
+            draft = self.drafter.load_model()
+            if self.memory_pool is not None:
+                self.memory_pool.pack_module(draft, "weights")
         layers = self._attention_layers()
         self.cudagraph_manager = self._make_cudagraph_manager(
             min((layer.backend.cudagraph_support for layer in layers), default=CUDAGraphSupport.ALWAYS)
@@ -257,7 +266,8 @@ class GPUModelRunner:
 
     def _attention_layers(self) -> list[Attention]:
         assert self.model is not None
-        return [module for module in self.model.modules() if isinstance(module, Attention)]
+        layers = [module for module in self.model.modules() if isinstance(module, Attention)]
+        return layers + (self.drafter.attention_layers() if self.drafter is not None else [])
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """{layer name: what it keeps in the KV cache}, as the layers declare it."""
@@ -303,6 +313,8 @@ class GPUModelRunner:
         from pagoda.model.loader.model_loader import load_weights_from_source
 
         load_weights_from_source(self.model, self.model_config)
+        if self.drafter is not None:
+            load_weights_from_source(self.drafter.model, self.drafter.draft_config)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -458,6 +470,8 @@ class GPUModelRunner:
         execution = BatchExecution(CUDAGraphMode.NONE, None, num_tokens, num_reqs)
         with self._dummy_batch(query_lens, execution) as inputs:
             hidden = self._model_forward(inputs, self.intermediate_tensors(num_tokens))
+            if self.drafter is not None:
+                self.drafter.catch_up(inputs)
             if self.is_last_stage and self.pooler is None:
                 self._sample(hidden, inputs)
             del hidden
@@ -917,9 +931,10 @@ class GPUModelRunner:
             first += count
 
     def _bookkeeping_sync(
-        self, inputs: PreparedInputs, sampler_output: StepTokens | None
+        self, inputs: PreparedInputs, sampler_output: StepTokens | None, draft_token_ids: torch.Tensor | None = None
     ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
-        """Record the step in the batch and start the sampled ids' trip to the host.
+        """Record the step in the batch and start the sampled ids' trip to the host (with the
+        draft model's proposals for the next step, if any).
 
         The host does not wait for them: each sampled row gets a placeholder token, replaced
         when the output is resolved (`_record_sampled_tokens`). A verify row's tokens, as many
@@ -959,6 +974,7 @@ class GPUModelRunner:
             prompt_logprobs=prompt_logprobs,
             copy_stream=self._copy_stream,
             on_ready=self._record_sampled_tokens,
+            draft_token_ids=draft_token_ids,
         )
         self._pending_output = output
         if self._grammar_req_ids:
@@ -1102,6 +1118,8 @@ class GPUModelRunner:
             hidden_states = self._model_forward(inputs, intermediate_tensors)
         if isinstance(hidden_states, IntermediateTensors):
             return hidden_states
+        if self.drafter is not None:
+            self.drafter.catch_up(inputs)
         self.kv_connector.post_forward(scheduler_output, hidden_states)
         if self.pooler is not None:
             return pooling_output(
@@ -1115,7 +1133,11 @@ class GPUModelRunner:
             )
         self._fill_grammar_bitmask(inputs)
         sampler_output = self._sample(hidden_states, inputs)
-        output = self._bookkeeping_sync(inputs, sampler_output)
+        drafts = None
+        if self.drafter is not None and sampler_output is not None:
+            assert inputs.sampling_metadata is not None
+            drafts = self.drafter.propose(inputs, sampler_output.token_ids, inputs.sampling_metadata)
+        output = self._bookkeeping_sync(inputs, sampler_output, drafts)
         if post_model_execute_cb is not None:
             post_model_execute_cb()
         if not self.async_scheduling and isinstance(output, AsyncGPUModelRunnerOutput):
