@@ -207,8 +207,10 @@ class Scheduler:
             proposal = proposals.get(request.request_id)
             request.spec_token_ids = []
             drafts = self._capped_drafts(request, proposal, budget - num_new) if proposal else []
-            lookahead = self._draft_lookahead(request, num_new + len(drafts))
-            new_block_ids = kv.allocate_slots(request, num_new + len(drafts) + lookahead) if drafts or lookahead else None
+            lookahead = self._draft_lookahead(request, request.num_computed_tokens + num_new + len(drafts))
+            new_block_ids = (
+                kv.allocate_slots(request, num_new + len(drafts) + lookahead) if drafts or lookahead else None
+            )
             if new_block_ids is None:
                 drafts = []  # no room for the drafts: schedule the plain step (which may preempt)
                 new_block_ids = self._allocate_or_preempt(request, num_new, preempted_req_ids)
@@ -261,7 +263,10 @@ class Scheduler:
                 if not self.enable_chunked_prefill or one_pass:
                     break
                 num_new = budget
-            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+            lookahead = self._draft_lookahead(request, num_hit_tokens + num_new)
+            if kv.allocate_slots(request, num_new + lookahead, hit_blocks) is None and (
+                not lookahead or kv.allocate_slots(request, num_new, hit_blocks) is None
+            ):
                 break
             del self.waiting[position]
             self.running.append(request)
@@ -462,10 +467,9 @@ class Scheduler:
             room = min(room, request.max_tokens - request.num_output_tokens - in_flight - 1)
         return drafts[: max(0, min(room, budget))]
 
-    def _draft_lookahead(self, request: Request, num_new: int) -> int:
-        """Slots past a step's tokens for the KV of the drafts a draft model proposes after it (k,
-        within max_model_len), when the step samples; 0 otherwise."""
-        end = request.num_computed_tokens + num_new
+    def _draft_lookahead(self, request: Request, end: int) -> int:
+        """Slots past a step's tokens (which end at `end`) for the KV of the drafts a draft model
+        proposes after it (k, within max_model_len), when the step samples; 0 otherwise."""
         if not self.drafts_from_runner or end < request.num_tokens:
             return 0
         return max(0, min(self.num_speculative_tokens, self.max_model_len - end))

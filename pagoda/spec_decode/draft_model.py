@@ -22,6 +22,12 @@ One engine step:
    outside the row's blocks writes nowhere, which only makes that draft worse) and the next
    step's catch-up rewrites those positions with the tokens that were kept.
 
+The one-token steps read static device buffers (ids, positions, lengths, slots, block-table
+rows), filled by device copies from the step's staged values, so on CUDA each replays a graph
+captured per padded batch size (sharing the target's graph pool), with the LM head and the
+draw outside it as in the target's graphs; the catch-up is part of the target's own forward
+(and so of its graphs, see `GPUModelRunner._forward`).
+
 Drafts: a greedy row takes the draft's argmax; a sampled row draws with the very Gumbel noise
 the target's sampler uses at the same (seed, output position), at the row's temperature, so the
 draft matches the target's sample whenever both put the perturbed maximum on the same token.
@@ -42,6 +48,8 @@ from pagoda.config import ModelConfig
 from pagoda.forward_context import ForwardContext
 from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sample.ops import gumbel_max
+from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
+from pagoda.worker.cuda_graph import BatchDescriptor, CudaGraphManager
 
 if TYPE_CHECKING:
     from pagoda.worker.gpu_model_runner import GPUModelRunner, PreparedInputs
@@ -56,114 +64,197 @@ class DraftModelProposer:
         self.draft_config = draft_config
         self.num_speculative_tokens = num_speculative_tokens
         self.model: torch.nn.Module | None = None
-        size = runner.max_num_reqs * num_speculative_tokens
-        # Staging of the k one-token steps' inputs, all filled at once after the sync.
-        self.positions = runner.buffer(size, torch.int64)
-        self.seq_lens = runner.buffer(size, torch.int32)
-        self.query_start_loc = runner.buffer(runner.max_num_reqs + 1, torch.int32)
-        self.query_start_loc.np[:] = np.arange(runner.max_num_reqs + 1)
-        self.query_start_loc.copy_to_gpu(runner.max_num_reqs + 1)
-        self.rows = runner.buffer(runner.max_num_reqs, torch.int64)
-        self.logits_index = runner.buffer(runner.max_num_reqs, torch.int64)
-        self.slot_mappings: dict[int, object] = {}
+        self.layers: list[Attention] = []
+        max_rows = runner.max_num_reqs
+        # The k one-token steps' values, staged at once after the sync ([k, padded rows] each).
+        self.staged_positions = runner.buffer(max_rows * num_speculative_tokens, torch.int64)
+        self.staged_seq_lens = runner.buffer(max_rows * num_speculative_tokens, torch.int32)
+        self.staged_slots: dict[int, CpuGpuBuffer] = {}
+        self.query_start_loc = runner.buffer(max_rows + 1, torch.int32)
+        self.rows = runner.buffer(max_rows, torch.int64)
+        self.logits_index = runner.buffer(max_rows, torch.int64)
+        # What each one-token step (and its graph) reads; filled by device copies.
+        device = runner.device
+        self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.seq_lens_cpu = torch.zeros(max_rows, dtype=torch.int32)  # for backends that plan on the host
+        self.slot_mappings: dict[int, torch.Tensor] = {}
+        self.block_tables: dict[int, torch.Tensor] = {}
+        self.graphs: CudaGraphManager | None = None
+        self._contexts: dict[int, ForwardContext] = {}
+
+    # ---- setup ------------------------------------------------------------------------------
 
     def load_model(self) -> torch.nn.Module:
         from pagoda.model.loader import get_model
 
         runner = self.runner
         self.model = get_model(self.draft_config, runner.attn_backend, runner.device)
-        for layer in self.attention_layers():
+        self.layers = [module for module in self.model.modules() if isinstance(module, Attention)]
+        for layer in self.layers:
             layer.layer_name = DRAFT_LAYER_PREFIX + layer.layer_name
         return self.model
 
-    def attention_layers(self) -> list[Attention]:
-        assert self.model is not None
-        return [module for module in self.model.modules() if isinstance(module, Attention)]
+    def _groups(self) -> list[int]:
+        """The KV-cache groups the draft's layers are in (known once the runner made its groups)."""
+        groups = self.runner.layer_groups
+        return sorted({groups[layer.layer_name] for layer in self.layers})
 
-    def catch_up(self, inputs: PreparedInputs) -> None:
-        """The draft's KV for every token of the step (its outputs are not needed)."""
+    def _context(self, num_rows: int) -> ForwardContext:
+        """The one-token steps' forward context over `num_rows` (padded) rows of the static buffers."""
+        context = self._contexts.get(num_rows)
+        if context is not None and context.kv_caches is self.runner.kv_caches:
+            return context
+        runner = self.runner
+        batch = runner.input_batch
+        group_metadata = {}
+        for gid in self._groups():
+            if gid not in self.slot_mappings:
+                table = batch.block_table[gid].block_table
+                self.slot_mappings[gid] = torch.full(
+                    (runner.max_num_reqs,), -1, dtype=torch.int64, device=runner.device
+                )
+                self.block_tables[gid] = torch.zeros_like(table[: runner.max_num_reqs])
+            group_metadata[gid] = runner.attn_metadata_builders[gid].build(
+                AttentionMetadata(
+                    num_reqs=num_rows,
+                    num_actual_tokens=num_rows,
+                    max_query_len=1,
+                    max_seq_len=runner.max_model_len,
+                    block_size=batch.block_table.block_sizes[gid],
+                    query_start_loc=self.query_start_loc.gpu[: num_rows + 1],
+                    seq_lens=self.seq_lens[:num_rows],
+                    block_table=self.block_tables[gid][:num_rows],
+                    slot_mapping=self.slot_mappings[gid][:num_rows],
+                    query_start_loc_cpu=self.query_start_loc.cpu[: num_rows + 1],
+                    seq_lens_cpu=self.seq_lens_cpu[:num_rows],
+                )
+            )
+        groups = runner.layer_groups
+        context = ForwardContext(
+            attn_metadata={layer.layer_name: group_metadata[groups[layer.layer_name]] for layer in self.layers},
+            kv_caches=runner.kv_caches,
+        )
+        self._contexts[num_rows] = context  # its tensors are views of the static buffers
+        return context
+
+    def capture_graphs(self, target_graphs: CudaGraphManager) -> None:
+        """A graph per decode size of the target's, in the target's pool: one token per row, every
+        row of length 1 writing nowhere (slot -1) at capture."""
         assert self.model is not None
-        self.model(inputs.input_ids, inputs.positions, inputs.forward_context)
+        sizes = [size for size in target_graphs.decode_sizes if size <= self.runner.max_num_reqs]
+        if not sizes:
+            return
+        self.graphs = CudaGraphManager(sizes, max(sizes), 0)
+        self.graphs.pool = target_graphs.pool
+        model = self.model
+        for key in self.graphs.descriptors:
+            size = key.num_tokens
+            self.query_start_loc.np[: size + 1] = np.arange(size + 1)
+            self.query_start_loc.copy_to_gpu(size + 1)
+            self.seq_lens_cpu[:size] = 1
+            self.seq_lens[:size] = 1
+            self.positions[:size] = 0
+            for slots in self.slot_mappings.values():
+                slots.fill_(-1)
+            context = self._context(size)
+            self.graphs.capture(
+                key, lambda ids=self.input_ids[:size], pos=self.positions[:size], ctx=context: model(ids, pos, ctx)
+            )
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def catch_up(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> None:
+        """The draft's KV for every token of the target's step (its outputs are not needed)."""
+        assert self.model is not None
+        self.model(input_ids, positions, context)
 
     def propose(self, inputs: PreparedInputs, token_ids: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """[rows, k] int64: k drafts after each sampled row's emitted tokens (`token_ids`, [rows, n],
         -1 past a row's last), drawn as the module docstring says."""
         assert self.model is not None
+        k = self.num_speculative_tokens
+        num_rows = len(inputs.sample_rows)
+        num_emitted = (token_ids.cpu().numpy() >= 0).sum(axis=1)
+        padded = self._padded_rows(num_rows)
+        self._stage(inputs, num_emitted, padded)
+
+        # Each row's last emitted token, and its sampling settings (rows of the step's logits).
+        last = (token_ids >= 0).sum(dim=1, keepdim=True) - 1
+        self.input_ids[:num_rows] = token_ids.gather(1, last).squeeze(1)
+        self.logits_index.np[:num_rows] = inputs.logits_start + num_emitted - 1
+        logits_index = self.logits_index.copy_to_gpu(num_rows)
+        temperature = metadata.temperature.index_select(0, logits_index)
+        seeds = metadata.seeds.index_select(0, logits_index)
+        output_positions = metadata.output_positions.index_select(0, logits_index)
+
+        count = k * padded
+        positions = self.staged_positions.copy_to_gpu(count).view(k, padded)
+        seq_lens = self.staged_seq_lens.copy_to_gpu(count).view(k, padded)
+        slots = {gid: staged.copy_to_gpu(count).view(k, padded) for gid, staged in self.staged_slots.items()}
+        context = self._context(padded)
+        key = BatchDescriptor(padded, True)
+        drafts = torch.empty((num_rows, k), dtype=torch.int64, device=token_ids.device)
+        for step in range(k):
+            self.positions[:padded].copy_(positions[step])
+            self.seq_lens[:padded].copy_(seq_lens[step])
+            self.seq_lens_cpu[:padded] = self.staged_seq_lens.cpu[step * padded : (step + 1) * padded]
+            for gid, staged in slots.items():
+                self.slot_mappings[gid][:padded].copy_(staged[step])
+            if self.graphs is not None and key in self.graphs.graphs:
+                hidden_states = self.graphs.replay(key)
+            else:
+                hidden_states = self.model(self.input_ids[:padded], self.positions[:padded], context)
+            logits = self.model.compute_logits(hidden_states[:num_rows])
+            if metadata.all_greedy:
+                sampled = logits.argmax(dim=-1)
+            else:
+                sampled = gumbel_max(logits, temperature, seeds, output_positions + 1 + step, None)
+            drafts[:, step] = sampled
+            self.input_ids[:num_rows] = sampled
+        return drafts
+
+    def _padded_rows(self, num_rows: int) -> int:
+        """Rows of the one-token steps: the captured graph size that holds them, else exactly them."""
+        if self.graphs is not None:
+            key = self.graphs.descriptor_for(num_rows, uniform_decode=True)
+            if key is not None:
+                return key.num_tokens
+        return num_rows
+
+    def _stage(self, inputs: PreparedInputs, num_emitted: np.ndarray, padded: int) -> None:
+        """Host values of the k one-token steps, [k, padded] each: step j's input sits j after
+        each row's last emitted token; padded rows have length 0 and write nowhere, as do
+        positions outside a row's blocks or past max_model_len (their drafts are only worse)."""
         runner, k = self.runner, self.num_speculative_tokens
         batch = runner.input_batch
         rows = inputs.sample_rows
         num_rows = len(rows)
-        num_emitted = (token_ids.cpu().numpy() >= 0).sum(axis=1)
-        # Where each row's last emitted token sits: the first one-token step's input.
         first = runner.seq_lens.np[rows].astype(np.int64) - inputs.num_drafts + num_emitted - 1
-        positions = first[None, :] + np.arange(k)[:, None]  # [k, rows]
+        positions = np.zeros((k, padded), dtype=np.int64)
+        positions[:, :num_rows] = first[None, :] + np.arange(k)[:, None]
         inside = positions < runner.max_model_len
+        inside[:, num_rows:] = False
         positions = np.minimum(positions, runner.max_model_len - 1)
-        count = k * num_rows
-        self.positions.np[:count] = positions.ravel()
-        self.seq_lens.np[:count] = positions.ravel() + 1
-        positions_device = self.positions.copy_to_gpu(count).view(k, num_rows)
-        seq_lens_device = self.seq_lens.copy_to_gpu(count).view(k, num_rows)
+        self.staged_positions.np[: k * padded] = positions.ravel()
+        seq_lens = np.where(np.arange(padded) < num_rows, positions + 1, 0)
+        self.staged_seq_lens.np[: k * padded] = seq_lens.ravel()
+        self.query_start_loc.np[: padded + 1] = np.minimum(np.arange(padded + 1), num_rows)
+        self.query_start_loc.copy_to_gpu(padded + 1)
         self.rows.np[:num_rows] = rows
         rows_device = self.rows.copy_to_gpu(num_rows)
-        self.logits_index.np[:num_rows] = inputs.logits_start + num_emitted - 1
-        logits_index = self.logits_index.copy_to_gpu(num_rows)
-
-        groups = sorted({runner.layer_groups[layer.layer_name] for layer in self.attention_layers()})
-        group_inputs = {}
-        for gid in groups:
+        self._context(padded)  # makes the static buffers of the draft's groups
+        for gid in self._groups():
             table, block_size = batch.block_table[gid], batch.block_table.block_sizes[gid]
-            slots = table.block_table_np[rows[None, :], positions // block_size].astype(np.int64) * block_size
-            slots += positions % block_size
-            held = positions < table.num_blocks_per_row[rows][None, :].astype(np.int64) * block_size
-            slots[~(held & inside)] = -1
-            slot_mapping = self.slot_mappings.get(gid)
-            if slot_mapping is None:
-                slot_mapping = self.slot_mappings[gid] = runner.buffer(runner.max_num_reqs * k, torch.int64)
-            slot_mapping.np[:count] = slots.ravel()
-            group_inputs[gid] = (
-                table.block_table.index_select(0, rows_device),
-                slot_mapping.copy_to_gpu(count).view(k, num_rows),
-                block_size,
-            )
-
-        # The last emitted token of each row, and its sampling settings (logits rows of the step).
-        last = (token_ids >= 0).sum(dim=1, keepdim=True) - 1
-        input_ids = token_ids.gather(1, last).squeeze(1)
-        temperature = metadata.temperature.index_select(0, logits_index)
-        seeds = metadata.seeds.index_select(0, logits_index)
-        output_positions = metadata.output_positions.index_select(0, logits_index)
-        seq_lens_cpu = self.seq_lens.cpu[:count].view(k, num_rows)
-        drafts = torch.empty((num_rows, k), dtype=torch.int64, device=token_ids.device)
-        for step in range(k):
-            group_metadata = {
-                gid: runner.attn_metadata_builders[gid].build(
-                    AttentionMetadata(
-                        num_reqs=num_rows,
-                        num_actual_tokens=num_rows,
-                        max_query_len=1,
-                        max_seq_len=int(positions[step].max()) + 1,
-                        block_size=block_size,
-                        query_start_loc=self.query_start_loc.gpu[: num_rows + 1],
-                        seq_lens=seq_lens_device[step],
-                        block_table=block_table,
-                        slot_mapping=slot_mapping[step],
-                        query_start_loc_cpu=self.query_start_loc.cpu[: num_rows + 1],
-                        seq_lens_cpu=seq_lens_cpu[step],
-                    )
-                )
-                for gid, (block_table, slot_mapping, block_size) in group_inputs.items()
-            }
-            context = ForwardContext(
-                attn_metadata={layer.layer_name: group_metadata[runner.layer_groups[layer.layer_name]]
-                               for layer in self.attention_layers()},
-                kv_caches=runner.kv_caches,
-            )
-            hidden_states = self.model(input_ids, positions_device[step], context)
-            logits = self.model.compute_logits(hidden_states)
-            if metadata.all_greedy:
-                input_ids = logits.argmax(dim=-1)
-            else:
-                input_ids = gumbel_max(logits, temperature, seeds, output_positions + 1 + step, None)
-            drafts[:, step] = input_ids
-        return drafts
+            columns = np.minimum(positions // block_size, table.max_num_blocks_per_req - 1)
+            slots = table.block_table_np[np.pad(rows, (0, padded - num_rows))[None, :], columns].astype(np.int64)
+            slots = slots * block_size + positions % block_size
+            held = np.zeros((1, padded), dtype=np.int64)
+            held[0, :num_rows] = table.num_blocks_per_row[rows].astype(np.int64) * block_size
+            slots[~(inside & (positions < held))] = -1
+            staged = self.staged_slots.get(gid)
+            if staged is None:
+                staged = self.staged_slots[gid] = runner.buffer(runner.max_num_reqs * k, torch.int64)
+            staged.np[: k * padded] = slots.ravel()
+            self.block_tables[gid][:num_rows] = table.block_table.index_select(0, rows_device)

@@ -267,7 +267,7 @@ class GPUModelRunner:
     def _attention_layers(self) -> list[Attention]:
         assert self.model is not None
         layers = [module for module in self.model.modules() if isinstance(module, Attention)]
-        return layers + (self.drafter.attention_layers() if self.drafter is not None else [])
+        return layers + (self.drafter.layers if self.drafter is not None else [])
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """{layer name: what it keeps in the KV cache}, as the layers declare it."""
@@ -358,6 +358,8 @@ class GPUModelRunner:
         free_before = torch.cuda.mem_get_info()[0]
         keys = self.cudagraph_manager.descriptors
         self._capture_graphs(self.cudagraph_manager, keys)
+        if self.drafter is not None:
+            self.drafter.capture_graphs(self.cudagraph_manager)
         torch.cuda.synchronize()
         logger.info(
             "captured %d CUDA graphs (decode sizes up to %d, mixed up to %d) in %.1f s, using %.2f GiB",
@@ -407,7 +409,7 @@ class GPUModelRunner:
         static buffers.
         """
         assert self.model is not None
-        model = self.model
+        forward = self._forward
         for key in keys:
             size = key.num_tokens
             if key.uniform_decode:
@@ -422,7 +424,7 @@ class GPUModelRunner:
                 manager.capture(
                     key,
                     lambda ids=inputs.input_ids, pos=inputs.positions, ctx=inputs.forward_context, it=intermediate: (
-                        model(ids, pos, ctx, it)
+                        forward(ids, pos, ctx, it)
                     ),
                 )
 
@@ -470,8 +472,6 @@ class GPUModelRunner:
         execution = BatchExecution(CUDAGraphMode.NONE, None, num_tokens, num_reqs)
         with self._dummy_batch(query_lens, execution) as inputs:
             hidden = self._model_forward(inputs, self.intermediate_tensors(num_tokens))
-            if self.drafter is not None:
-                self.drafter.catch_up(inputs)
             if self.is_last_stage and self.pooler is None:
                 self._sample(hidden, inputs)
             del hidden
@@ -840,8 +840,22 @@ class GPUModelRunner:
     def _model_forward(
         self, inputs: PreparedInputs, intermediate_tensors: IntermediateTensors | None
     ) -> torch.Tensor | IntermediateTensors:
+        return self._forward(inputs.input_ids, inputs.positions, inputs.forward_context, intermediate_tensors)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: ForwardContext,
+        intermediate_tensors: IntermediateTensors | None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """The model's forward, then a draft model's over the same tokens (its KV, see
+        `DraftModelProposer.catch_up`): one eager run or one captured graph for both."""
         assert self.model is not None
-        return self.model(inputs.input_ids, inputs.positions, inputs.forward_context, intermediate_tensors)
+        hidden_states = self.model(input_ids, positions, context, intermediate_tensors)
+        if self.drafter is not None:
+            self.drafter.catch_up(input_ids, positions, context)
+        return hidden_states
 
     def intermediate_tensors(self, num_tokens: int) -> IntermediateTensors | None:
         """The static buffers a later pipeline stage receives `num_tokens` rows into (None on the first)."""
@@ -1118,8 +1132,6 @@ class GPUModelRunner:
             hidden_states = self._model_forward(inputs, intermediate_tensors)
         if isinstance(hidden_states, IntermediateTensors):
             return hidden_states
-        if self.drafter is not None:
-            self.drafter.catch_up(inputs)
         self.kv_connector.post_forward(scheduler_output, hidden_states)
         if self.pooler is not None:
             return pooling_output(

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import pathlib
+
 import pytest
-from model_utils import save_tiny_checkpoint
+from model_utils import TINY_CONFIGS, save_random_checkpoint, save_tiny_checkpoint
 
 from pagoda.config import ConfigError, SpeculativeConfig
 from pagoda.engine.arg_utils import create_engine_config
@@ -49,7 +53,7 @@ def test_the_engine_refuses_what_is_not_built_or_does_not_fit(tiny: str) -> None
         model=tiny, device="cpu", speculative_config='{"method": "ngram", "num_speculative_tokens": 4}'
     )
     assert config.speculative_config == SpeculativeConfig("ngram", 4)
-    for method in ("draft_model", "eagle", "eagle3"):
+    for method in ("eagle", "eagle3"):
         with pytest.raises(ConfigError, match=f"method '{method}' is not built yet"):
             create_engine_config(
                 model=tiny,
@@ -77,3 +81,49 @@ def test_metrics_report_acceptance() -> None:
     assert "pagoda:spec_decode_acceptance_rate 0.4" in text
     assert "pagoda:spec_decode_mean_accepted_length 2.0" in text
     assert 'pagoda:spec_decode_per_position_acceptance_rate{position="1"} 0.5' in text
+
+
+def test_a_draft_model_must_share_the_targets_vocabulary_and_reach_its_length(tiny: str, tmp_path) -> None:
+    config = create_engine_config(
+        model=tiny,
+        device="cpu",
+        speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": tiny},
+    )
+    draft = config.speculative_config.draft_model_config
+    assert draft.model == config.model_config.model and draft.dtype == config.model_config.dtype
+    other_vocab = str(tmp_path / "other-vocab")
+    save_random_checkpoint(dataclasses.replace(TINY_CONFIGS["llama3"], vocab_size=300), other_vocab)
+    other_tokens = str(tmp_path / "other-tokens")
+    save_random_checkpoint(TINY_CONFIGS["llama3"], other_tokens)
+    shorter = str(tmp_path / "shorter")
+    save_random_checkpoint(dataclasses.replace(TINY_CONFIGS["llama3"], max_position_embeddings=64), shorter)
+    refused = [
+        (other_vocab, {}, "speculative_config.model .* has vocab_size 300, the target model 256"),
+        (shorter, {}, r"speculative_config.model .* reaches 64 positions .* fewer than max_model_len 128"),
+        (str(tmp_path / "missing"), {}, "speculative_config.model: "),
+    ]
+    for draft_path, extra, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            create_engine_config(
+                model=tiny,
+                device="cpu",
+                **extra,
+                speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": draft_path},
+            )
+    # Two checkpoints whose tokenizer.json number tokens differently.
+    for path, vocab in ((tiny, {"a": 0, "b": 1}), (other_tokens, {"a": 1, "b": 0})):
+        (pathlib.Path(path) / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab, "merges": []}}))
+    with pytest.raises(ConfigError, match=r"speculative_config.model .* has another tokenizer than the target"):
+        create_engine_config(
+            model=tiny,
+            device="cpu",
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": other_tokens},
+        )
+    (pathlib.Path(tiny) / "tokenizer.json").unlink()
+    # Within the draft's reach it is fine.
+    create_engine_config(
+        model=tiny,
+        device="cpu",
+        max_model_len=64,
+        speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": shorter},
+    )
