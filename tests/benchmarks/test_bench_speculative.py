@@ -93,3 +93,15 @@ def test_bench_throughput_at_forced_acceptance_0_keeps_no_draft(tiny_qwen3_10k_v
     assert acceptance["num_verify_steps"] == 3 * 4 and acceptance["num_draft_tokens"] > acceptance["num_verify_steps"]
     assert acceptance["num_accepted_tokens"] == 0 and acceptance["mean_accepted_length"] == 1.0
     assert result["speculation"]["speedup"] == pytest.approx(plain["seconds"] / speculative["seconds"])
+
+
+def test_bench_latency_with_a_draft_model_at_forced_acceptance_1(tiny_qwen3_10k_vocab, tmp_path, capsys) -> None:
+    """The draft model proposes k drafts after every step: all kept at alpha 1."""
+    spec = {"method": "draft_model", "model": tiny_qwen3_10k_vocab, "num_speculative_tokens": K}
+    result_json = tmp_path / "latency.json"
+    argv = ["bench", "latency", "--model", tiny_qwen3_10k_vocab, *LATENCY, "--batch-sizes", "1"]
+    argv += ["--speculative-config", json.dumps(spec), "--forced-acceptance", "1", "--result-json", str(result_json)]
+    assert main(argv) == 0
+    assert "speculation (draft_model, k = 2, forced acceptance 1)" in capsys.readouterr().out
+    (row,) = json.loads(result_json.read_text())["speculation"]["decode"]
+    assert row["num_verify_steps"] == 2 * 2 and row["acceptance_rate"] == 1.0 and row["verify_step_ms"] > 0

@@ -127,3 +127,13 @@ def test_a_draft_model_must_share_the_targets_vocabulary_and_reach_its_length(ti
         max_model_len=64,
         speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": shorter},
     )
+
+
+def test_serve_refuses_a_bad_draft_naming_the_field(tiny: str, tmp_path, capsys) -> None:
+    from pagoda.entrypoints.cli import main
+
+    other_vocab = str(tmp_path / "other-vocab")
+    save_random_checkpoint(dataclasses.replace(TINY_CONFIGS["llama3"], vocab_size=300), other_vocab)
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 2, "model": other_vocab})
+    assert main(["serve", "--model", tiny, "--device", "cpu", "--speculative-config", spec]) == 2
+    assert "speculative_config.model" in capsys.readouterr().err
