@@ -78,3 +78,65 @@ def reference(path: str, engine: dict, prompt_seed: int = 0) -> tuple[list, np.n
         llm.shutdown()
         _references[key] = results, values
     return _references[key]
+
+
+def save_eagle_head(path: str, target_config, method: str, seed: int = 0, draft_vocab_size: int = 64) -> None:
+    """A random EAGLE-1 (`method` "eagle") or EAGLE-3 head for `target_config`, saved in the
+    published layout: config.json and model.safetensors with the published tensor names."""
+    import copy
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden, inter = target_config.hidden_size, target_config.intermediate_size
+    heads, kv_heads = target_config.num_attention_heads, target_config.num_key_value_heads
+    head_dim = getattr(target_config, "head_dim", None) or hidden // heads
+    vocab = target_config.vocab_size
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * (1.0 / shape[-1]) ** 0.5 * 2
+
+    def norm() -> torch.Tensor:
+        return 0.5 + torch.rand(hidden, generator=generator)
+
+    attn_in = hidden if method == "eagle" else 2 * hidden
+    layer = "layers.0" if method == "eagle" else "midlayer"
+    tensors = {
+        f"{layer}.self_attn.q_proj.weight": rand(heads * head_dim, attn_in),
+        f"{layer}.self_attn.k_proj.weight": rand(kv_heads * head_dim, attn_in),
+        f"{layer}.self_attn.v_proj.weight": rand(kv_heads * head_dim, attn_in),
+        f"{layer}.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        f"{layer}.post_attention_layernorm.weight": norm(),
+        f"{layer}.mlp.gate_proj.weight": rand(inter, hidden),
+        f"{layer}.mlp.up_proj.weight": rand(inter, hidden),
+        f"{layer}.mlp.down_proj.weight": rand(hidden, inter),
+        # Published heads may carry the target's embedding; the engine shares the target's.
+        "embed_tokens.weight": rand(vocab, hidden),
+    }
+    config = copy.deepcopy(target_config).to_dict()
+    config.update(num_hidden_layers=1)
+    if method == "eagle":
+        tensors["fc.weight"] = rand(hidden, 2 * hidden)
+        config["architectures"] = ["LlamaForCausalLM"]
+    else:
+        del tensors["embed_tokens.weight"]
+        target_ids = torch.randperm(vocab, generator=generator)[:draft_vocab_size].sort().values
+        tensors.update(
+            {
+                f"{layer}.input_layernorm.weight": norm(),
+                f"{layer}.hidden_norm.weight": norm(),
+                "fc.weight": rand(hidden, 3 * hidden),
+                "norm.weight": norm(),
+                "lm_head.weight": rand(draft_vocab_size, hidden),
+                "d2t": target_ids - torch.arange(draft_vocab_size),
+                "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, target_ids, True),
+            }
+        )
+        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab_size)
+    os.makedirs(path, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as file:
+        json.dump(config, file)

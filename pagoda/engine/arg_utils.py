@@ -28,7 +28,7 @@ from pagoda.config import (
 from pagoda.model.layers.quantization.config import check_kv_cache_dtype, resolve_quantization
 from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
 from pagoda.pooling.config import resolve_pooler_config, resolve_task
-from pagoda.spec_decode.draft_config import resolve_draft_model
+from pagoda.spec_decode.draft_config import resolve_draft_model, resolve_eagle_head
 
 _DTYPES = {
     "float32": torch.float32,
@@ -149,7 +149,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
 
 
 # Proposers built so far; the others are refused, never silently ignored.
-BUILT_SPECULATIVE_METHODS = ("ngram", "draft_model")
+BUILT_SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 
 
 def _resolve_speculative(
@@ -183,6 +183,8 @@ def _resolve_speculative(
         raise ConfigError("speculative_config needs pipeline_parallel_size 1 (pipelined verify steps are not built)")
     if config.method == "draft_model":
         config = resolve_draft_model(config, model_config)
+    elif config.method in ("eagle", "eagle3"):
+        config = resolve_eagle_head(config, model_config)
     return config
 
 

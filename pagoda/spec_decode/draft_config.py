@@ -1,4 +1,5 @@
-"""The draft model of `method="draft_model"`, resolved and checked against the target.
+"""The draft model of `method="draft_model"` or the head of "eagle"/"eagle3", resolved and
+checked against the target.
 
 A draft proposes token ids that the target verifies, so both must number tokens alike: the same
 vocabulary size, and where both checkpoints carry a `tokenizer.json`, the same vocabulary. The
@@ -13,8 +14,13 @@ import dataclasses
 import json
 import os
 
+from transformers import AutoConfig
+
 from pagoda.config import ConfigError, ModelConfig, SpeculativeConfig
 from pagoda.model.loader import load_hf_config, resolve_model
+
+# Targets whose layer stack is the Llama-style DecoderModel (EAGLE-3 reads its residual stream).
+EAGLE_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def resolve_draft_model(config: SpeculativeConfig, target: ModelConfig) -> SpeculativeConfig:
@@ -60,3 +66,58 @@ def _check_same_vocabulary(name: str, draft_path: str, target_path: str | None) 
             f"speculative_config.model {name!r} has another tokenizer than the target model "
             "(their tokenizer.json vocabularies differ): a draft must share the target's tokenizer"
         )
+
+
+def resolve_eagle_head(config: SpeculativeConfig, target: ModelConfig) -> SpeculativeConfig:
+    """`config` with the EAGLE head's config as `draft_model_config`: a directory with the head's
+    config.json and safetensors in its published layout (see pagoda.model.models.eagle), whose
+    sizes must fit the target's; ConfigError naming the field otherwise."""
+    assert config.model is not None
+    path = os.path.abspath(os.path.expanduser(config.model))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(
+            f"speculative_config.model must be a directory with an EAGLE head's config.json, got {config.model!r}"
+        )
+    hf_config = AutoConfig.from_pretrained(path)
+    name = f"speculative_config.model {config.model!r}"
+    is_eagle3 = any("eagle3" in arch.lower() for arch in getattr(hf_config, "architectures", None) or [])
+    if is_eagle3 != (config.method == "eagle3"):
+        kind = "an EAGLE-3 head" if is_eagle3 else "an EAGLE-1 head"
+        raise ConfigError(f"speculative_config.method is {config.method!r} but {name} is {kind}")
+    target_hidden = target.hf_config.hidden_size
+    head_hidden = getattr(hf_config, "target_hidden_size", None) if is_eagle3 else None
+    if (head_hidden or hf_config.hidden_size) != target_hidden:
+        raise ConfigError(
+            f"{name} reads hidden states of size {head_hidden or hf_config.hidden_size}, the target's are {target_hidden}"
+        )
+    if hf_config.vocab_size != target.vocab_size:
+        raise ConfigError(f"{name} has vocab_size {hf_config.vocab_size}, the target model {target.vocab_size}")
+    if is_eagle3:
+        if getattr(target.hf_config, "model_type", None) not in EAGLE_TARGET_TYPES:
+            raise ConfigError(
+                f"speculative_config.method 'eagle3' reads a Llama-style target's layers "
+                f"({', '.join(EAGLE_TARGET_TYPES)}), not model_type {target.hf_config.model_type!r}"
+            )
+        draft_vocab = getattr(hf_config, "draft_vocab_size", None) or hf_config.vocab_size
+        if not 1 <= draft_vocab <= target.vocab_size:
+            raise ConfigError(f"{name} has draft_vocab_size {draft_vocab}: must be in [1, {target.vocab_size}]")
+        layers = getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None)
+        num_layers = target.num_layers
+        if layers is not None and (len(layers) != 3 or not all(0 <= i < num_layers for i in layers)):
+            raise ConfigError(
+                f"{name}: eagle_aux_hidden_state_layer_ids must be 3 layer indices in [0, {num_layers}), got {layers}"
+            )
+        if layers is None and num_layers < 4:
+            raise ConfigError(
+                f"{name}: the target has {num_layers} layers; EAGLE-3's default layers (2, L/2, L-3) need 4 or more "
+                "(set eagle_aux_hidden_state_layer_ids in the head's config.json)"
+            )
+    if hf_config.max_position_embeddings < (target.max_model_len or 0):
+        raise ConfigError(
+            f"{name} reaches {hf_config.max_position_embeddings} positions (max_position_embeddings), "
+            f"fewer than max_model_len {target.max_model_len}: lower max_model_len"
+        )
+    head = ModelConfig(model=path, load_format="safetensors", dtype=target.dtype, max_model_len=target.max_model_len)
+    head.hf_config = hf_config
+    head.seed = target.seed
+    return dataclasses.replace(config, draft_model_config=head)

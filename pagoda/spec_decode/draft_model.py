@@ -37,6 +37,7 @@ what a request produces, since verification keeps exactly the target's own sampl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -148,7 +149,6 @@ class DraftModelProposer:
             return
         self.graphs = CudaGraphManager(sizes, max(sizes), 0)
         self.graphs.pool = target_graphs.pool
-        model = self.model
         for key in self.graphs.descriptors:
             size = key.num_tokens
             self.query_start_loc.np[: size + 1] = np.arange(size + 1)
@@ -159,9 +159,7 @@ class DraftModelProposer:
             for slots in self.slot_mappings.values():
                 slots.fill_(-1)
             context = self._context(size)
-            self.graphs.capture(
-                key, lambda ids=self.input_ids[:size], pos=self.positions[:size], ctx=context: model(ids, pos, ctx)
-            )
+            self.graphs.capture(key, lambda size=size, context=context: self._step_forward(size, context))
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -170,33 +168,46 @@ class DraftModelProposer:
         assert self.model is not None
         self.model(input_ids, positions, context)
 
-    def propose(self, inputs: PreparedInputs, token_ids: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def propose(
+        self,
+        inputs: PreparedInputs,
+        hidden_states: torch.Tensor,
+        token_ids: torch.Tensor | None,
+        metadata: SamplingMetadata | None,
+    ) -> torch.Tensor | None:
         """[rows, k] int64: k drafts after each sampled row's emitted tokens (`token_ids`, [rows, n],
-        -1 past a row's last), drawn as the module docstring says."""
-        assert self.model is not None
-        k = self.num_speculative_tokens
-        num_rows = len(inputs.sample_rows)
+        -1 past a row's last), drawn as the module docstring says; None when no row sampled."""
+        if token_ids is None:
+            return None
+        assert metadata is not None
         num_emitted = (token_ids.cpu().numpy() >= 0).sum(axis=1)
-        padded = self._padded_rows(num_rows)
-        self._stage(inputs, num_emitted, padded)
-
-        # Each row's last emitted token, and its sampling settings (rows of the step's logits).
         last = (token_ids >= 0).sum(dim=1, keepdim=True) - 1
-        self.input_ids[:num_rows] = token_ids.gather(1, last).squeeze(1)
-        self.logits_index.np[:num_rows] = inputs.logits_start + num_emitted - 1
-        logits_index = self.logits_index.copy_to_gpu(num_rows)
-        temperature = metadata.temperature.index_select(0, logits_index)
-        seeds = metadata.seeds.index_select(0, logits_index)
-        output_positions = metadata.output_positions.index_select(0, logits_index)
+        self.input_ids[: len(num_emitted)] = token_ids.gather(1, last).squeeze(1)
+        drafts = torch.empty(
+            (len(num_emitted), self.num_speculative_tokens), dtype=torch.int64, device=token_ids.device
+        )
+        self._draft_steps(inputs, num_emitted, DraftSettings.of(self, inputs, num_emitted, metadata), drafts, 0)
+        return drafts
 
-        count = k * padded
-        positions = self.staged_positions.copy_to_gpu(count).view(k, padded)
-        seq_lens = self.staged_seq_lens.copy_to_gpu(count).view(k, padded)
-        slots = {gid: staged.copy_to_gpu(count).view(k, padded) for gid, staged in self.staged_slots.items()}
+    def _draft_steps(
+        self, inputs: PreparedInputs, num_emitted: np.ndarray, settings: DraftSettings, drafts: torch.Tensor, first: int
+    ) -> None:
+        """Fill drafts[:, first:] by one-token steps: step j reads `input_ids` (the row's last
+        emitted token, then each draft) at j after each row's last emitted token's position."""
+        assert self.model is not None
+        num_steps = self.num_speculative_tokens - first
+        if num_steps == 0:
+            return
+        num_rows = len(num_emitted)
+        padded = self._padded_rows(num_rows)
+        self._stage(inputs, num_emitted, padded, num_steps)
+        count = num_steps * padded
+        positions = self.staged_positions.copy_to_gpu(count).view(num_steps, padded)
+        seq_lens = self.staged_seq_lens.copy_to_gpu(count).view(num_steps, padded)
+        slots = {gid: staged.copy_to_gpu(count).view(num_steps, padded) for gid, staged in self.staged_slots.items()}
         context = self._context(padded)
         key = BatchDescriptor(padded, True)
-        drafts = torch.empty((num_rows, k), dtype=torch.int64, device=token_ids.device)
-        for step in range(k):
+        for step in range(num_steps):
             self.positions[:padded].copy_(positions[step])
             self.seq_lens[:padded].copy_(seq_lens[step])
             self.seq_lens_cpu[:padded] = self.staged_seq_lens.cpu[step * padded : (step + 1) * padded]
@@ -205,15 +216,15 @@ class DraftModelProposer:
             if self.graphs is not None and key in self.graphs.graphs:
                 hidden_states = self.graphs.replay(key)
             else:
-                hidden_states = self.model(self.input_ids[:padded], self.positions[:padded], context)
-            logits = self.model.compute_logits(hidden_states[:num_rows])
-            if metadata.all_greedy:
-                sampled = logits.argmax(dim=-1)
-            else:
-                sampled = gumbel_max(logits, temperature, seeds, output_positions + 1 + step, None)
-            drafts[:, step] = sampled
+                hidden_states = self._step_forward(padded, context)
+            sampled = settings.draw(self.model.compute_logits(hidden_states[:num_rows]), first + step)
+            drafts[:, first + step] = sampled
             self.input_ids[:num_rows] = sampled
-        return drafts
+
+    def _step_forward(self, num_rows: int, context: ForwardContext) -> torch.Tensor:
+        """One one-token step over the static buffers' first `num_rows` rows (what a graph records)."""
+        assert self.model is not None
+        return self.model(self.input_ids[:num_rows], self.positions[:num_rows], context)
 
     def _padded_rows(self, num_rows: int) -> int:
         """Rows of the one-token steps: the captured graph size that holds them, else exactly them."""
@@ -223,11 +234,11 @@ class DraftModelProposer:
                 return key.num_tokens
         return num_rows
 
-    def _stage(self, inputs: PreparedInputs, num_emitted: np.ndarray, padded: int) -> None:
+    def _stage(self, inputs: PreparedInputs, num_emitted: np.ndarray, padded: int, k: int) -> None:
         """Host values of the k one-token steps, [k, padded] each: step j's input sits j after
         each row's last emitted token; padded rows have length 0 and write nowhere, as do
         positions outside a row's blocks or past max_model_len (their drafts are only worse)."""
-        runner, k = self.runner, self.num_speculative_tokens
+        runner = self.runner
         batch = runner.input_batch
         rows = inputs.sample_rows
         num_rows = len(rows)
@@ -255,6 +266,39 @@ class DraftModelProposer:
             slots[~(inside & (positions < held))] = -1
             staged = self.staged_slots.get(gid)
             if staged is None:
-                staged = self.staged_slots[gid] = runner.buffer(runner.max_num_reqs * k, torch.int64)
+                staged = self.staged_slots[gid] = runner.buffer(
+                    runner.max_num_reqs * self.num_speculative_tokens, torch.int64
+                )
             staged.np[: k * padded] = slots.ravel()
             self.block_tables[gid][:num_rows] = table.block_table.index_select(0, rows_device)
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """How each sampled row draws its drafts: its temperature, seed and the output position of
+    its last emitted token (from the step's logits rows), and whether every row is greedy."""
+
+    temperature: torch.Tensor
+    seeds: torch.Tensor
+    output_positions: torch.Tensor
+    all_greedy: bool
+
+    @classmethod
+    def of(
+        cls, proposer: DraftModelProposer, inputs: PreparedInputs, num_emitted: np.ndarray, metadata: SamplingMetadata
+    ) -> DraftSettings:
+        num_rows = len(num_emitted)
+        proposer.logits_index.np[:num_rows] = inputs.logits_start + num_emitted - 1
+        index = proposer.logits_index.copy_to_gpu(num_rows)
+        return cls(
+            metadata.temperature.index_select(0, index),
+            metadata.seeds.index_select(0, index),
+            metadata.output_positions.index_select(0, index),
+            metadata.all_greedy,
+        )
+
+    def draw(self, logits: torch.Tensor, column: int) -> torch.Tensor:
+        """Draft `column` (0-based) of every row: argmax, or the target's Gumbel draw at its position."""
+        if self.all_greedy:
+            return logits.argmax(dim=-1)
+        return gumbel_max(logits, self.temperature, self.seeds, self.output_positions + 1 + column, None)

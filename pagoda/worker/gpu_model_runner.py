@@ -41,6 +41,7 @@ from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagoda.scheduler.block_pool import NULL_BLOCK_ID
 from pagoda.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagoda.spec_decode.draft_model import DraftModelProposer
+from pagoda.spec_decode.proposer import make_drafter
 from pagoda.spec_decode.verification import verify_drafts
 from pagoda.structured_output.spec import GrammarSpec
 from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
@@ -202,9 +203,7 @@ class GPUModelRunner:
         max_drafts = speculative.num_speculative_tokens if speculative is not None else 0
         self.draft_token_ids = buffer(self.max_num_reqs * max_drafts, torch.int64)
         # A draft model proposing after each step (built by load_model); None: the scheduler's n-grams or none.
-        self.drafter: DraftModelProposer | None = None
-        if speculative is not None and speculative.draft_model_config is not None:
-            self.drafter = DraftModelProposer(self, speculative.draft_model_config, max_drafts)
+        self.drafter: DraftModelProposer | None = make_drafter(self, speculative)
         self.logits_start = buffer(self.max_num_reqs, torch.int64)
         # Where the previous step's sampled ids go in this step's input ids (async scheduling).
         self.prev_sampled_dst = buffer(self.max_num_reqs, torch.int64)
@@ -1146,9 +1145,9 @@ class GPUModelRunner:
         self._fill_grammar_bitmask(inputs)
         sampler_output = self._sample(hidden_states, inputs)
         drafts = None
-        if self.drafter is not None and sampler_output is not None:
-            assert inputs.sampling_metadata is not None
-            drafts = self.drafter.propose(inputs, sampler_output.token_ids, inputs.sampling_metadata)
+        if self.drafter is not None:
+            token_ids = sampler_output.token_ids if sampler_output is not None else None
+            drafts = self.drafter.propose(inputs, hidden_states, token_ids, inputs.sampling_metadata)
         output = self._bookkeeping_sync(inputs, sampler_output, drafts)
         if post_model_execute_cb is not None:
             post_model_execute_cb()

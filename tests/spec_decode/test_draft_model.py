@@ -52,7 +52,7 @@ def test_outputs_are_identical_with_a_draft_model(checkpoints, target, k: int) -
     expected, expected_values = reference(checkpoints["qwen3"], target)
     results, values, llm = run(checkpoints["qwen3"], target, draft(checkpoints["noisy"], k))
     assert results == expected
-    torch.testing.assert_close(torch.from_numpy(values), torch.from_numpy(expected_values), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(values), torch.from_numpy(expected_values), rtol=1e-5, atol=1e-5)
     stats = spec_stats(llm)
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and len(stats.accepted_per_position) == k
 

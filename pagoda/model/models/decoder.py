@@ -202,6 +202,10 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
+        # EAGLE-3 heads read the residual stream entering these layers: copied, side by side, into
+        # `aux_hidden_states` ([max tokens, len(layers) x hidden], a static buffer its proposer sets).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def forward(
         self,
@@ -217,12 +221,21 @@ class DecoderModel(nn.Module):
             assert intermediate_tensors is not None, "a later pipeline stage starts from the previous one's tensors"
             hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         cos_sin = self.rotary_emb(positions)
-        for layer in self.layers[self.start_layer : self.end_layer]:
+        for index, layer in enumerate(self.layers[self.start_layer : self.end_layer], self.start_layer):
+            if index in self.aux_hidden_state_layers:
+                self._save_aux_hidden_state(index, hidden_states if residual is None else hidden_states + residual)
             hidden_states, residual = layer(hidden_states, residual, cos_sin, context)
         if not self.is_last_stage:
             return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def _save_aux_hidden_state(self, layer_index: int, stream: torch.Tensor) -> None:
+        assert self.aux_hidden_states is not None
+        width = stream.shape[-1]
+        for slot, index in enumerate(self.aux_hidden_state_layers):
+            if index == layer_index:
+                self.aux_hidden_states[: stream.shape[0], slot * width : (slot + 1) * width].copy_(stream)
 
 
 class DecoderForCausalLM(nn.Module):
