@@ -148,24 +148,16 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
     )
 
 
-# Proposers built so far; the others are refused, never silently ignored.
-BUILT_SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-
-
 def _resolve_speculative(
     value: SpeculativeConfig | dict[str, Any] | str | None,
     model_config: ModelConfig,
     scheduler_config: SchedulerConfig,
     parallel_config: ParallelConfig,
 ) -> SpeculativeConfig | None:
-    """The speculative config checked against what is built and against the engine's limits."""
+    """The speculative config checked against the engine's limits, its draft or head resolved."""
     if value is None:
         return None
     config = SpeculativeConfig.from_value(value)
-    if config.method not in BUILT_SPECULATIVE_METHODS:
-        raise ConfigError(
-            f"speculative_config.method {config.method!r} is not built yet; built: {', '.join(BUILT_SPECULATIVE_METHODS)}"
-        )
     k = config.num_speculative_tokens
     budget = scheduler_config.max_num_batched_tokens
     assert budget is not None and model_config.max_model_len is not None

@@ -13,11 +13,34 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
+from typing import Any
 
 from transformers import AutoConfig
 
 from pagoda.config import ConfigError, ModelConfig, SpeculativeConfig
 from pagoda.model.loader import load_hf_config, resolve_model
+from pagoda.model.loader.dummy import DUMMY_SHAPES
+
+
+def _dummy_head(method: str, target_shape: str, draft_vocab_size: int | None = None) -> Callable[[], dict[str, Any]]:
+    """A head at the published shape for a dummy target: its one layer sized as the target's."""
+
+    def config() -> dict[str, Any]:
+        shape = {**DUMMY_SHAPES[target_shape], "num_hidden_layers": 1}
+        if method == "eagle3":
+            shape.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab_size)
+        return shape
+
+    return config
+
+
+# Dummy heads by name (random weights, for benchmarks on dummy targets): yuhuili/EAGLE-LLaMA3.1-
+# Instruct-8B and yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (a draft vocabulary of 32000 ids).
+DUMMY_HEADS: dict[str, Callable[[], dict[str, Any]]] = {
+    "eagle-llama-3.1-8b": _dummy_head("eagle", "llama-3.1-8b"),
+    "eagle3-llama-3.1-8b": _dummy_head("eagle3", "llama-3.1-8b", 32000),
+}
 
 # Targets whose layer stack is the Llama-style DecoderModel (EAGLE-3 reads its residual stream).
 EAGLE_TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -74,11 +97,23 @@ def resolve_eagle_head(config: SpeculativeConfig, target: ModelConfig) -> Specul
     sizes must fit the target's; ConfigError naming the field otherwise."""
     assert config.model is not None
     path = os.path.abspath(os.path.expanduser(config.model))
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    load_format = "safetensors"
+    if config.model in DUMMY_HEADS:
+        if target.load_format != "dummy":
+            raise ConfigError(
+                f"speculative_config.model {config.model!r} is a dummy head (random weights): "
+                "the target must load with load_format='dummy'"
+            )
+        path, load_format = config.model, "dummy"
+        fields = DUMMY_HEADS[config.model]()
+        hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    elif not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(
-            f"speculative_config.model must be a directory with an EAGLE head's config.json, got {config.model!r}"
+            f"speculative_config.model must be a directory with an EAGLE head's config.json (or one of the dummy "
+            f"heads {sorted(DUMMY_HEADS)}), got {config.model!r}"
         )
-    hf_config = AutoConfig.from_pretrained(path)
+    else:
+        hf_config = AutoConfig.from_pretrained(path)
     name = f"speculative_config.model {config.model!r}"
     is_eagle3 = any("eagle3" in arch.lower() for arch in getattr(hf_config, "architectures", None) or [])
     if is_eagle3 != (config.method == "eagle3"):
@@ -112,12 +147,10 @@ def resolve_eagle_head(config: SpeculativeConfig, target: ModelConfig) -> Specul
                 f"{name}: the target has {num_layers} layers; EAGLE-3's default layers (2, L/2, L-3) need 4 or more "
                 "(set eagle_aux_hidden_state_layer_ids in the head's config.json)"
             )
-    if hf_config.max_position_embeddings < (target.max_model_len or 0):
-        raise ConfigError(
-            f"{name} reaches {hf_config.max_position_embeddings} positions (max_position_embeddings), "
-            f"fewer than max_model_len {target.max_model_len}: lower max_model_len"
-        )
-    head = ModelConfig(model=path, load_format="safetensors", dtype=target.dtype, max_model_len=target.max_model_len)
+    # Published heads list fewer positions than their targets reach (EAGLE-3 for Llama-3.1: 2048);
+    # RoPE is the same formula at any position, so the head's tables cover the target's length.
+    hf_config.max_position_embeddings = max(hf_config.max_position_embeddings, target.max_model_len or 0)
+    head = ModelConfig(model=path, load_format=load_format, dtype=target.dtype, max_model_len=target.max_model_len)
     head.hf_config = hf_config
     head.seed = target.seed
     return dataclasses.replace(config, draft_model_config=head)

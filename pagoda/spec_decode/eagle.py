@@ -45,21 +45,25 @@ class EagleProposer(DraftModelProposer):
         self.aux_hidden_states: torch.Tensor | None = None
 
     def load_model(self) -> torch.nn.Module:
+        from pagoda.model.loader.dummy import init_dummy_weights
         from pagoda.model.loader.model_loader import _default_dtype, check_weights_complete
         from pagoda.model.loader.safetensors_loader import iter_safetensors_weights
 
         runner = self.runner
         config = self.draft_config
         head_class = Eagle3Head if self.method == "eagle3" else Eagle1Head
-        names = {name for name, _ in iter_safetensors_weights(config.model)}
+        dummy = config.load_format == "dummy"
+        names = set() if dummy else {name for name, _ in iter_safetensors_weights(config.model)}
         config.hf_config.eagle_fc_bias = "fc.bias" in names
         with _default_dtype(config.dtype), torch.device(runner.device):
             head = head_class(config.hf_config, runner.attn_backend)
             if isinstance(head, Eagle3Head) and "embed_tokens.weight" in names:
                 head.with_own_embedding()
         with torch.no_grad():
-            loaded = head.load_weights(iter_safetensors_weights(config.model))
-        check_weights_complete(head, loaded, config.model)
+            if dummy:
+                init_dummy_weights(head, config.seed)
+            else:
+                check_weights_complete(head, head.load_weights(iter_safetensors_weights(config.model)), config.model)
         head.share_target(runner.model)
         if isinstance(head, Eagle3Head):
             target = runner.model.model
@@ -72,7 +76,7 @@ class EagleProposer(DraftModelProposer):
             width = len(target.aux_hidden_state_layers) * runner.model_config.hf_config.hidden_size
             self.aux_hidden_states = torch.zeros(runner.max_num_tokens, width, dtype=runner.dtype, device=runner.device)
             target.aux_hidden_states = self.aux_hidden_states
-        self.model = head.eval()
+        self.model = head.requires_grad_(False).eval()
         self.layers = [module for module in head.modules() if isinstance(module, Attention)]
         for layer in self.layers:
             layer.layer_name = DRAFT_LAYER_PREFIX + layer.layer_name

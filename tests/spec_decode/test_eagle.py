@@ -185,3 +185,21 @@ def test_bad_heads_are_refused_naming_the_field(checkpoints, tmp_path) -> None:
     with open(os.path.join(bad_layers, "config.json"), "w") as file:
         json.dump({**head_config, "eagle_aux_hidden_state_layer_ids": [0, 1, 9]}, file)
     refused("eagle3", bad_layers, r"eagle_aux_hidden_state_layer_ids must be 3 layer indices in \[0, 4\)")
+
+
+def test_dummy_heads_resolve_for_a_dummy_target_only(checkpoints) -> None:
+    """Benchmarks time EAGLE at Llama-3.1-8B's shape with random heads (nothing is loaded here)."""
+    for method, name in (("eagle", "eagle-llama-3.1-8b"), ("eagle3", "eagle3-llama-3.1-8b")):
+        spec = {"method": method, "model": name, "num_speculative_tokens": 4}
+        config = create_engine_config(
+            model="llama-3.1-8b", load_format="dummy", device="cpu", max_model_len=4096, speculative_config=spec
+        )
+        head = config.speculative_config.draft_model_config
+        assert head.load_format == "dummy" and head.hf_config.num_hidden_layers == 1
+        assert head.hf_config.hidden_size == 4096 and head.hf_config.max_position_embeddings >= 4096
+    with pytest.raises(ConfigError, match=r"is a dummy head .* load_format='dummy'"):
+        create_engine_config(
+            model=checkpoints["target"],
+            device="cpu",
+            speculative_config={"method": "eagle3", "model": "eagle3-llama-3.1-8b", "num_speculative_tokens": 2},
+        )

@@ -180,6 +180,10 @@ class Eagle3Head(_EagleHead):
 
     skipped_weights = frozenset({"t2d"})
 
+    def expected_weight_names(self) -> set[str]:
+        """`d2t` may be absent (a draft vocabulary equal to the target's maps ids to themselves)."""
+        return super().expected_weight_names() - {"d2t"}
+
     def with_own_embedding(self) -> None:
         """The checkpoint brings `embed_tokens.weight`: the head embeds with it, not the target's."""
         self.embed_tokens = VocabParallelEmbedding(self.config.vocab_size, self.config.hidden_size)
