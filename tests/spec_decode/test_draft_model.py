@@ -80,7 +80,7 @@ SELF_DRAFT_VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(SELF_DRAFT_VARIANTS))
 def test_the_target_drafting_for_itself_accepts_every_greedy_draft(checkpoints, variant: str) -> None:
     engine = {**ASYNC_CPU, **SELF_DRAFT_VARIANTS[variant]}
-    shared = prompts(3, count=1)[0][:20] + [7, 9, 11, 13]
+    shared = [*prompts(3, count=1)[0][:20], 7, 9, 11, 13]
     waves = [[shared + p for p in prompts(4)], [shared + p[:5] for p in prompts(5)]]
     plain = LLM(model=checkpoints["qwen3"], **engine)
     expected = [[o.outputs[0].token_ids for o in plain.generate(w, GREEDY, use_tqdm=False)] for w in waves]
