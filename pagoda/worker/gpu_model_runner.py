@@ -52,6 +52,7 @@ from pagoda.worker.sampling_batch import OFF
 from pagoda.worker.tagged_memory import TaggedMemoryPool
 
 if TYPE_CHECKING:
+    from pagoda.lora.manager import LoRAManager
     from pagoda.structured_output.pipeline import GrammarPipeline
     from pagoda.structured_output.state import GrammarState
 
@@ -219,6 +220,8 @@ class GPUModelRunner:
                 *(torch.zeros(self.max_num_tokens, hidden_size, dtype=self.dtype, device=device) for _ in range(2))
             )
         self.cudagraph_manager: CudaGraphManager | None = None
+        # LoRA adapters' device slots and the step's per-token slot index (built with the model).
+        self.lora_manager: LoRAManager | None = None
         # Structured output: the requests with a grammar, and what advances their grammars and
         # fills their masks off the step's critical path (made with the first one; nothing of
         # it runs while the set is empty).
@@ -247,6 +250,17 @@ class GPUModelRunner:
         self.model = get_model(self.model_config, self.attn_backend, self.device)
         if self.memory_pool is not None:
             self.memory_pool.pack_module(self.model, "weights")
+        if self.config.lora_config is not None:
+            from pagoda.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(
+                self.model,
+                self.config.lora_config,
+                self.model_config.hf_config,
+                self.max_num_tokens,
+                self.device,
+                self.dtype,
+            )
         layers = self._attention_layers()
         self.cudagraph_manager = self._make_cudagraph_manager(
             min((layer.backend.cudagraph_support for layer in layers), default=CUDAGraphSupport.ALWAYS)
@@ -500,6 +514,7 @@ class GPUModelRunner:
                 prompt_logprobs=prompt_logprobs,
                 grammar=self._new_grammar(params),
                 pooling_params=new_req.pooling_params,
+                lora_request=new_req.lora_request,
             )
             self.requests[new_req.req_id] = state
             if state.grammar is not None:
@@ -617,6 +632,9 @@ class GPUModelRunner:
         offsets = self._arange[:total] - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
         num_computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
         positions = num_computed[req_indices] + offsets
+        if self.lora_manager is not None:
+            row_loras = [self.requests[req_id].lora_request for req_id in batch.req_ids]
+            self.lora_manager.set_batch(row_loras, num_scheduled, num_input_tokens)
 
         self.positions.np[:total] = positions
         self.input_ids.np[:total] = batch.token_ids_cpu[req_indices, positions]
