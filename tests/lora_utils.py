@@ -20,6 +20,17 @@ class AdapterSpec:
     use_rslora: bool = False
 
 
+# Ranks, scalings and targets that differ: all seven projections, attention or MLP only, q/v
+# only, rsLoRA; the highest rank is max_lora_rank.
+ADAPTER_SPECS = (
+    AdapterSpec(rank=8, alpha=16),
+    AdapterSpec(rank=16, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+    AdapterSpec(rank=4, alpha=8, targets=("gate_proj", "up_proj", "down_proj"), use_rslora=True),
+    AdapterSpec(rank=2, alpha=4, targets=("q_proj", "v_proj")),
+)
+MAX_LORA_RANK = 16
+
+
 @torch.no_grad()
 def save_random_adapter(base: torch.nn.Module, spec: AdapterSpec, path: str, seed: int) -> None:
     """A PEFT adapter of `spec` over (a copy of) `base`, its A and B drawn N(0, 0.3) (PEFT's own

@@ -36,7 +36,9 @@ def expand(
     if y.is_cuda:
         from pagoda.lora.triton_ops import lora_expand
 
-        lora_expand(h, lora_b, y, tuple(offset for offset, _ in slices[1:]), index.sorted_tokens.gpu, index.slot_starts.gpu)
+        lora_expand(
+            h, lora_b, y, tuple(offset for offset, _ in slices[1:]), index.sorted_tokens.gpu, index.slot_starts.gpu
+        )
         return
     token_slots = index.token_slots.gpu[: y.shape[0]]
     for slot in index.active_slots:
@@ -45,4 +47,4 @@ def expand(
         for i, (offset, size) in enumerate(slices):
             part = h[rows, i * rank : (i + 1) * rank].to(y.dtype)
             delta[:, offset : offset + size] = part @ lora_b[slot, offset : offset + size].T
-        y.index_add_(0, rows, delta)
+        y[rows] += delta  # rows are distinct tokens

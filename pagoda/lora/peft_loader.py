@@ -92,7 +92,9 @@ def read_settings(request: LoRARequest, max_rank: int) -> AdapterSettings:
     except (OSError, json.JSONDecodeError) as error:
         raise _fail(request, f"cannot read {ADAPTER_CONFIG}: {error}") from error
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        raise _fail(request, f"peft_type must be LORA, got {config.get('peft_type') if isinstance(config, dict) else config!r}")
+        raise _fail(
+            request, f"peft_type must be LORA, got {config.get('peft_type') if isinstance(config, dict) else config!r}"
+        )
     rank = config.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise _fail(request, f"r must be a positive integer, got {rank!r}")
@@ -132,7 +134,7 @@ def read_adapter(
     parts: dict[str, dict[str, torch.Tensor | None]] = {}
     try:
         with safe_open(path, framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (a safetensors file is not iterable)
                 match = _KEY.match(key)
                 if match is None or match["module"] not in shapes:
                     targetable = "/".join(name.removesuffix("_proj") for name in shapes)

@@ -49,6 +49,7 @@ def _shrink_kernel(
     stride_an,
     stride_om,
     SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -72,9 +73,11 @@ def _shrink_kernel(
                 x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
             )
             a = tl.load(
-                a_base + offs_n[None, :] * stride_an + offs_k[:, None], mask=mask_n[None, :] & mask_k[:, None], other=0.0
+                a_base + offs_n[None, :] * stride_an + offs_k[:, None],
+                mask=mask_n[None, :] & mask_k[:, None],
+                other=0.0,
             )
-            acc += tl.dot(x, a.to(x.dtype))
+            acc += tl.dot(x, a.to(x.dtype), input_precision=PRECISION)
         out = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         if SPLIT_K == 1:
@@ -98,6 +101,7 @@ def _expand_kernel(
     stride_bn,
     stride_ym,
     RANK: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -116,11 +120,16 @@ def _expand_kernel(
         b = tl.load(
             b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None], mask=mask_n[None, :]
         )
-        delta = tl.dot(h.to(b.dtype), b)
+        delta = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)
         y_tile = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         y = tl.load(y_tile, mask=mask)
         tl.store(y_tile, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """float32 products in full precision (a float32 model is compared with a float32 reference)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def lora_shrink(
@@ -147,6 +156,7 @@ def lora_shrink(
         lora_a.stride(1),
         out.stride(0),
         SPLIT_K=split_k,
+        PRECISION=_precision(x.dtype),
         BLOCK_M=BLOCK_M,
         BLOCK_N=SHRINK_BLOCK_N,
         BLOCK_K=SHRINK_BLOCK_K,
@@ -194,6 +204,7 @@ def lora_expand(
         lora_b.stride(1),
         y.stride(0),
         RANK=rank,
+        PRECISION=_precision(lora_b.dtype),
         BLOCK_M=BLOCK_M,
         BLOCK_N=block_n,
     )

@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from lora_utils import AdapterSpec, save_random_adapter
+from lora_utils import ADAPTER_SPECS, save_random_adapter
 from model_utils import save_tiny_checkpoint
 
 from pagoda.lora.request import LoRARequest
-
-# Ranks, scalings and targets that differ: all seven projections, attention or MLP only, q/v
-# only, rsLoRA; the highest rank is max_lora_rank.
-ADAPTER_SPECS = (
-    AdapterSpec(rank=8, alpha=16),
-    AdapterSpec(rank=16, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj")),
-    AdapterSpec(rank=4, alpha=8, targets=("gate_proj", "up_proj", "down_proj"), use_rslora=True),
-    AdapterSpec(rank=2, alpha=4, targets=("q_proj", "v_proj")),
-)
-MAX_LORA_RANK = 16
 
 
 @pytest.fixture(scope="session")
