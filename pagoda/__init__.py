@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM",
-    "LoRARequest",
     "CompletionOutput",
     "EmbeddingRequestOutput",
+    "LoRARequest",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",

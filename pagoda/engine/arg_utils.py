@@ -25,9 +25,9 @@ from pagoda.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from pagoda.lora.config import LORA_ARGUMENTS, resolve_lora_config
 from pagoda.model.layers.quantization.config import check_kv_cache_dtype, resolve_quantization
 from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
-from pagoda.lora.config import LORA_ARGUMENTS, resolve_lora_config
 from pagoda.pooling.config import resolve_pooler_config, resolve_task
 
 _DTYPES = {
