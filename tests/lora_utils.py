@@ -7,7 +7,10 @@ import copy
 from dataclasses import dataclass
 
 import torch
+from model_utils import assert_greedy_match
 from peft import LoraConfig, PeftModel, get_peft_model
+
+from pagoda import LLM, LoRARequest, SamplingParams
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -29,6 +32,11 @@ ADAPTER_SPECS = (
     AdapterSpec(rank=2, alpha=4, targets=("q_proj", "v_proj")),
 )
 MAX_LORA_RANK = 16
+
+MAX_TOKENS = 16
+MIN_MARGIN = 1e-3
+PROMPTS = [list(range(5, 30)), [7, 100, 3, 54, 201, 9, 9, 17, 250, 31, 4]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @torch.no_grad()
@@ -56,3 +64,18 @@ def peft_model(base: torch.nn.Module, path: str, merged: bool) -> torch.nn.Modul
     model = PeftModel.from_pretrained(copy.deepcopy(base), path)
     model.eval()
     return model.merge_and_unload() if merged else model
+
+
+def generate(llm: LLM, requests: list[tuple[int, LoRARequest | None]]) -> list[list[int]]:
+    """Greedy tokens of each (prompt index, adapter) request, all in one `generate` call."""
+    outputs = llm.generate(
+        [PROMPTS[p] for p, _ in requests], GREEDY, use_tqdm=False, lora_request=[lora for _, lora in requests]
+    )
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def check_against_references(requests, tokens, references) -> None:
+    """Each request's tokens are its adapter's HF + peft tokens up to the margin rule."""
+    for (p, lora), ours in zip(requests, tokens, strict=True):
+        reference, margins = references[lora.lora_int_id if lora else 0, p]
+        assert_greedy_match(ours, reference, margins, MIN_MARGIN)

@@ -7,15 +7,9 @@ from __future__ import annotations
 
 import pytest
 from engine_utils import TARGETS, target_settings
-from lora_utils import MAX_LORA_RANK, peft_model
-from model_utils import assert_greedy_match, hf_greedy
+from lora_utils import MAX_LORA_RANK, PROMPTS, check_against_references, generate
 
-from pagoda import LLM, LoRARequest, SamplingParams
-
-MAX_TOKENS = 16
-MIN_MARGIN = 1e-3
-PROMPTS = [list(range(5, 30)), [7, 100, 3, 54, 201, 9, 9, 17, 250, 31, 4]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+from pagoda import LLM, LoRARequest
 
 
 def _llm(base_path: str, max_loras: int, **settings) -> LLM:
@@ -35,46 +29,14 @@ def _runner(llm: LLM):
     return llm.llm_engine.engine_core.executor.worker.model_runner
 
 
-@pytest.fixture(scope="module")
-def references(tiny_base, adapters) -> dict[tuple[int, int], tuple[list[int], list[float]]]:
-    """(adapter id or 0 for the base model, prompt index) -> HF + peft greedy tokens and margins;
-    the merged adapter's tokens must be the same as the applied one's up to the margin rule."""
-    _, base = tiny_base
-    out = {}
-    for p, prompt in enumerate(PROMPTS):
-        out[0, p] = hf_greedy(base, prompt, MAX_TOKENS)
-    for lora in adapters:
-        applied = peft_model(base, lora.lora_path, merged=False)
-        merged = peft_model(base, lora.lora_path, merged=True)
-        for p, prompt in enumerate(PROMPTS):
-            tokens, margins = hf_greedy(applied, prompt, MAX_TOKENS)
-            merged_tokens, _ = hf_greedy(merged, prompt, MAX_TOKENS)
-            assert_greedy_match(merged_tokens, tokens, margins, MIN_MARGIN)
-            out[lora.lora_int_id, p] = (tokens, margins)
-    return out
-
-
-def _generate(llm: LLM, requests: list[tuple[int, LoRARequest | None]]) -> list[list[int]]:
-    outputs = llm.generate(
-        [PROMPTS[p] for p, _ in requests], GREEDY, use_tqdm=False, lora_request=[lora for _, lora in requests]
-    )
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def _check_against_references(requests, tokens, references) -> None:
-    for (p, lora), ours in zip(requests, tokens, strict=True):
-        reference, margins = references[lora.lora_int_id if lora else 0, p]
-        assert_greedy_match(ours, reference, margins, MIN_MARGIN)
-
-
 @pytest.mark.parametrize("target", TARGETS)
 def test_mixed_batch_matches_peft(target, tiny_base, adapters, references) -> None:
     """Every prompt under every adapter and the base model, all in one batch (4 slots)."""
     base_path, _ = tiny_base
     requests = [(p, lora) for p in range(len(PROMPTS)) for lora in [*adapters, None]]
     with _llm(base_path, max_loras=4, **target_settings(target)) as llm:
-        tokens = _generate(llm, requests)
-    _check_against_references(requests, tokens, references)
+        tokens = generate(llm, requests)
+    check_against_references(requests, tokens, references)
     base_tokens = {p: references[0, p][0] for p in range(len(PROMPTS))}
     assert all(ours != base_tokens[p] for (p, lora), ours in zip(requests, tokens, strict=True) if lora), (
         "an adapter left the output unchanged: its delta is not applied"
@@ -98,7 +60,7 @@ def test_lru_swaps_adapters_beyond_the_slots(tiny_base, adapters, references) ->
 
         scheduler.schedule = recording_schedule
         requests = [(p, lora) for lora in adapters for p in range(len(PROMPTS))]
-        tokens = _generate(llm, requests)
+        tokens = generate(llm, requests)
         manager = _runner(llm).lora_manager
         assert max(len(ids) for ids in adapters_per_step) == 2
         assert set().union(*adapters_per_step) == {1, 2, 3, 4}
@@ -107,13 +69,13 @@ def test_lru_swaps_adapters_beyond_the_slots(tiny_base, adapters, references) ->
         slot_loads, file_loads = manager.num_slot_loads, manager.num_file_loads
         # The most recent adapters are in the slots: running one again loads nothing.
         (recent,) = [lora for lora in adapters if lora.lora_int_id == max(manager.slot_adapters, key=lambda a: a)]
-        _generate(llm, [(0, recent)])
+        generate(llm, [(0, recent)])
         assert (manager.num_slot_loads, manager.num_file_loads) == (slot_loads, file_loads)
         # The least recent one left the CPU cache too: it is read from its files again.
         evicted = next(lora for lora in adapters if lora.lora_int_id not in manager.cpu_adapters)
-        _generate(llm, [(0, evicted)])
+        generate(llm, [(0, evicted)])
         assert manager.num_file_loads == file_loads + 1
-    _check_against_references(requests, tokens, references)
+    check_against_references(requests, tokens, references)
 
 
 def test_prefix_cache_never_shares_blocks_across_adapters(tiny_base, adapters) -> None:
@@ -123,7 +85,7 @@ def test_prefix_cache_never_shares_blocks_across_adapters(tiny_base, adapters) -
 
         def hits(lora: LoRARequest | None) -> tuple[int, list[int]]:
             before = scheduler.make_stats().prefix_cache_hits
-            (tokens,) = _generate(llm, [(0, lora)])
+            (tokens,) = generate(llm, [(0, lora)])
             return scheduler.make_stats().prefix_cache_hits - before, tokens
 
         first_hits, first = hits(adapters[0])
