@@ -51,28 +51,30 @@ class LoRALinear:
         index: LoRABatchIndex,
         max_loras: int,
         rank: int,
+        dtype: torch.dtype,
+        use_triton: bool,
     ) -> None:
-        """`input_shard` (rank, size): a row-parallel layer's part of the input; None: all of it."""
+        """`input_shard` (rank, size): a row-parallel layer's part of the input; None: all of it.
+        `dtype`: the activations' (an FP8 base layer's adapters stay in it)."""
         self.name = name
         self.slices = slices
         self.input_shard = input_shard
         self.index = index
         self.rank = rank
-        weight = next(base.parameters())
-        # FP8 weights: the adapters stay in the activations' dtype.
-        dtype = weight.dtype if weight.dtype.is_floating_point and weight.element_size() >= 2 else torch.bfloat16
+        self.use_triton = use_triton
+        device = next(base.parameters()).device
         output_size = sum(s.rows for s in slices)
-        self.lora_a = torch.zeros(max_loras, len(slices) * rank, input_size, dtype=dtype, device=weight.device)
-        self.lora_b = torch.zeros(max_loras, output_size, rank, dtype=dtype, device=weight.device)
+        self.lora_a = torch.zeros(max_loras, len(slices) * rank, input_size, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max_loras, output_size, rank, dtype=dtype, device=device)
         self.output_slices = tuple((s.offset, s.rows) for s in slices)
         self.hook = base.register_forward_hook(self._add_lora)
 
     def _add_lora(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
         (x,) = args
-        h = ops.shrink(x, self.lora_a, self.index)
+        h = ops.shrink(x, self.lora_a, self.index, self.use_triton)
         if self.input_shard is not None:
             h = tensor_model_parallel_all_reduce(h)
-        ops.expand(output, h, self.lora_b, self.output_slices, self.index)
+        ops.expand(output, h, self.lora_b, self.output_slices, self.index, self.use_triton)
         return output
 
     @torch.no_grad()
@@ -106,7 +108,9 @@ def _hf_name(module_name: str, ours: str, shard_id: int | str | None) -> str:
     return f"{module_name.removesuffix(ours)}{hf}"
 
 
-def wrap_linear_layers(model: nn.Module, index: LoRABatchIndex, max_loras: int, rank: int) -> dict[str, LoRALinear]:
+def wrap_linear_layers(
+    model: nn.Module, index: LoRABatchIndex, max_loras: int, rank: int, dtype: torch.dtype, use_triton: bool
+) -> dict[str, LoRALinear]:
     """A `LoRALinear` on every q/k/v, o, gate/up and down projection of `model` (this rank's and
     this stage's), keyed by module name."""
     layers = {}
@@ -119,12 +123,14 @@ def wrap_linear_layers(model: nn.Module, index: LoRABatchIndex, max_loras: int, 
                 OutputSlice(_hf_name(name, leaf, shard_id), module.shard_offsets[shard_id], *rank_slice)
                 for shard_id, rank_slice in module.shards.items()
             )
-            layers[name] = LoRALinear(
-                name, module, slices, module.linear_shape.input_size, None, index, max_loras, rank
-            )
+            input_size = module.linear_shape.input_size
+            layers[name] = LoRALinear(name, module, slices, input_size, None, index, max_loras, rank, dtype, use_triton)
         elif isinstance(module, RowParallelLinear) and leaf in ("o_proj", "down_proj"):
             output_size = module.linear_shape.output_size
             slices = (OutputSlice(name, 0, output_size, 0, 1),)
             shard = (module.tp_rank, module.input_size_per_rank)
-            layers[name] = LoRALinear(name, module, slices, module.input_size_per_rank, shard, index, max_loras, rank)
+            input_size = module.input_size_per_rank
+            layers[name] = LoRALinear(
+                name, module, slices, input_size, shard, index, max_loras, rank, dtype, use_triton
+            )
     return layers

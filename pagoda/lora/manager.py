@@ -37,13 +37,15 @@ class LoRAManager:
         max_num_tokens: int,
         device: torch.device,
         dtype: torch.dtype,
+        use_triton: bool,
     ) -> None:
+        """`use_triton`: the Triton kernels (on CUDA; interpreted on the CPU), else the torch path."""
         self.config = lora_config
         self.hf_config = hf_config
         self.dtype = dtype
         self.index = LoRABatchIndex(max_num_tokens, lora_config.max_loras, device, device.type == "cuda")
         self.layers: dict[str, LoRALinear] = wrap_linear_layers(
-            model, self.index, lora_config.max_loras, slot_rank(lora_config.max_lora_rank)
+            model, self.index, lora_config.max_loras, slot_rank(lora_config.max_lora_rank), dtype, use_triton
         )
         # Adapter id -> its slot, least recently used first; free slots.
         self._slots: OrderedDict[int, int] = OrderedDict()

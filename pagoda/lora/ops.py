@@ -3,7 +3,8 @@
 shrink: h[t] = x[t] A[slot(t)]^T for every token with an adapter (h in float32, [T, S * R]:
 S output slices of R padded rank columns each); expand: y[t, slice i] += h[t, i R:(i + 1) R]
 B[slot(t), slice i]^T. On CUDA they are Triton kernels over the persistent batch index (graph
-safe); elsewhere the torch reference below, which the kernels are tested against.
+safe; on the CPU too when the attention backend is Triton, interpreted); elsewhere the torch
+reference below, which the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import torch
 from pagoda.lora.mapping import LoRABatchIndex
 
 
-def shrink(x: torch.Tensor, lora_a: torch.Tensor, index: LoRABatchIndex) -> torch.Tensor:
+def shrink(x: torch.Tensor, lora_a: torch.Tensor, index: LoRABatchIndex, use_triton: bool) -> torch.Tensor:
     """x [T, in], lora_a [slots, S * R, in] -> h [T, S * R] float32 (zero for tokens without an adapter)."""
     out = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-    if x.is_cuda:
+    if use_triton:
         from pagoda.lora.triton_ops import lora_shrink
 
         lora_shrink(x, lora_a, out, index.sorted_tokens.gpu, index.slot_starts.gpu)
@@ -29,11 +30,16 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, index: LoRABatchIndex) -> torc
 
 
 def expand(
-    y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, slices: tuple[tuple[int, int], ...], index: LoRABatchIndex
+    y: torch.Tensor,
+    h: torch.Tensor,
+    lora_b: torch.Tensor,
+    slices: tuple[tuple[int, int], ...],
+    index: LoRABatchIndex,
+    use_triton: bool,
 ) -> None:
     """y [T, out] += per slice i (output offset, size): h[:, i R:(i + 1) R] lora_b[slot, offset:offset + size]^T."""
     rank = lora_b.shape[2]
-    if y.is_cuda:
+    if use_triton:
         from pagoda.lora.triton_ops import lora_expand
 
         lora_expand(

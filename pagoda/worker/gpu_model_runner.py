@@ -260,6 +260,7 @@ class GPUModelRunner:
                 self.max_num_tokens,
                 self.device,
                 self.dtype,
+                use_triton=self.device.type == "cuda" or self.attn_backend.name == "triton",
             )
         layers = self._attention_layers()
         self.cudagraph_manager = self._make_cudagraph_manager(

@@ -36,8 +36,8 @@ def _reference(x, lora_a, lora_b, slices, index):
     cpu.token_slots.gpu.copy_(index.token_slots.gpu.cpu())
     cpu.active_slots = index.active_slots
     y = torch.zeros(x.shape[0], lora_b.shape[1])
-    h = ops.shrink(x.float().cpu(), lora_a.float().cpu(), cpu)
-    ops.expand(y, h, lora_b.float().cpu(), slices, cpu)
+    h = ops.shrink(x.float().cpu(), lora_a.float().cpu(), cpu, use_triton=False)
+    ops.expand(y, h, lora_b.float().cpu(), slices, cpu, use_triton=False)
     return h, y
 
 
