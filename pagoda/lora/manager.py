@@ -61,6 +61,11 @@ class LoRAManager:
         return dict(self._slots)
 
     @property
+    def nbytes(self) -> int:
+        """Device bytes of every layer's slots (allocated with the model: part of its weights)."""
+        return sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in self.layers.values())
+
+    @property
     def cpu_adapters(self) -> list[int]:
         return list(self._cpu_cache)
 
