@@ -58,6 +58,7 @@ def _text(client: openai.OpenAI, model: str) -> str:
     completion = client.completions.create(
         model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}
     )
+    assert completion.model == model  # an adapter's response names the adapter
     return completion.choices[0].text
 
 
@@ -88,6 +89,10 @@ def test_adapters_by_model_name(client, server, adapter_paths, tiny_checkpoint) 
     assert unloaded.status_code == 200, unloaded.text
     with pytest.raises(openai.NotFoundError, match="second"):
         _text(client, "second")
+    chat = client.chat.completions.create(
+        model="first", messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0.0
+    )
+    assert chat.model == "first" and chat.choices[0].message.content is not None
 
 
 def test_adapter_routes_refuse_bad_requests(server, adapter_paths) -> None:

@@ -124,6 +124,10 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
+    def response_model(self, body: SamplingFields) -> str:
+        """The model a response names: the LoRA adapter the request asked for, else the base model."""
+        return body.model if body.model is not None and body.model in self.lora.adapters else self.served_model_name
+
     def sampling_params(
         self, body: SamplingFields, max_tokens: int | None, constraint: Constraint | None = None, **fields: Any
     ) -> SamplingParams:
