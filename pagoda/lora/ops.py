@@ -20,7 +20,7 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, index: LoRABatchIndex, use_tri
     if use_triton:
         from pagoda.lora.triton_ops import lora_shrink
 
-        lora_shrink(x, lora_a, out, index.sorted_tokens.gpu, index.slot_starts.gpu)
+        lora_shrink(x, lora_a, out, index.sorted_tokens.gpu, index.tiles)
         return out
     token_slots = index.token_slots.gpu[: x.shape[0]]
     for slot in index.active_slots:
@@ -42,9 +42,7 @@ def expand(
     if use_triton:
         from pagoda.lora.triton_ops import lora_expand
 
-        lora_expand(
-            h, lora_b, y, tuple(offset for offset, _ in slices[1:]), index.sorted_tokens.gpu, index.slot_starts.gpu
-        )
+        lora_expand(h, lora_b, y, tuple(offset for offset, _ in slices[1:]), index.sorted_tokens.gpu, index.tiles)
         return
     token_slots = index.token_slots.gpu[: y.shape[0]]
     for slot in index.active_slots:

@@ -1,10 +1,10 @@
 """Triton kernels of the LoRA shrink and expand, over tokens grouped by adapter slot.
 
-Grid (slot, token tile, output tile): a program reads its slot's segment of the sorted token
-list (`slot_starts`), gathers those tokens' rows and multiplies them by that slot's A or B, so
-each adapter's weights are read once per tile of its tokens, not once per token. The grid
-covers every slot and as many token tiles as the step has tokens, whatever the mix: programs
-past their segment return, so a captured CUDA graph serves any adapter mix. The shrink splits
+Grid (token tile, output tile): a program reads its tile (a slot and up to BLOCK_M entries of
+the token list sorted by slot, see LoRABatchIndex), gathers those tokens' rows and multiplies
+them by that slot's A or B, so each adapter's weights are read once per tile of its tokens, not
+once per token. The grid has the most tiles any mix of the step's tokens can make; rows past the
+step's tiles return at once, so a captured CUDA graph serves any adapter mix. The shrink splits
 its long reduction (the hidden size) across programs, summed with atomic adds into a float32
 buffer; the expand's reduction is the rank (one tile), and it adds into the base output in place.
 A float32 model's products run in full precision (IEEE), not TF32: it is compared with a float32
@@ -17,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 32
+from pagoda.lora.mapping import TILE_TOKENS, max_tiles
+
+BLOCK_M = TILE_TOKENS
 SHRINK_BLOCK_N = 16
 SHRINK_BLOCK_K = 128
 EXPAND_BLOCK_N = 64
@@ -27,13 +29,13 @@ MAX_SPLIT_K = 16
 
 
 @triton.jit
-def _segment_rows(sorted_ptr, starts_ptr, slot, pid_m, BLOCK_M: tl.constexpr):
-    start = tl.load(starts_ptr + slot)
-    end = tl.load(starts_ptr + slot + 1)
-    offs = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = offs < end
+def _tile_rows(sorted_ptr, tiles_ptr, BLOCK_M: tl.constexpr):
+    """This program's tile: its tokens' rows and which are real (call it only for a tile with a slot)."""
+    tile = tiles_ptr + tl.program_id(0) * 3
+    offs = tl.load(tile + 1) + tl.arange(0, BLOCK_M)
+    mask = offs < tl.load(tile + 2)
     rows = tl.load(sorted_ptr + offs, mask=mask, other=0).to(tl.int64)
-    return rows, mask, start + pid_m * BLOCK_M < end
+    return rows, mask
 
 
 @triton.jit
@@ -42,7 +44,7 @@ def _shrink_kernel(
     a_ptr,
     out_ptr,
     sorted_ptr,
-    starts_ptr,
+    tiles_ptr,
     N,
     K,
     k_per_split,
@@ -56,12 +58,11 @@ def _shrink_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    slot = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(2) // SPLIT_K
-    pid_k = tl.program_id(2) % SPLIT_K
-    rows, mask_m, has_rows = _segment_rows(sorted_ptr, starts_ptr, slot, pid_m, BLOCK_M)
-    if has_rows:
+    pid_n = tl.program_id(1) // SPLIT_K
+    pid_k = tl.program_id(1) % SPLIT_K
+    slot = tl.load(tiles_ptr + tl.program_id(0) * 3)
+    if slot >= 0:
+        rows, mask_m = _tile_rows(sorted_ptr, tiles_ptr, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -97,7 +98,7 @@ def _expand_kernel(
     b_ptr,
     y_ptr,
     sorted_ptr,
-    starts_ptr,
+    tiles_ptr,
     N,
     bound1,
     bound2,
@@ -110,11 +111,10 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    slot = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(2)
-    rows, mask_m, has_rows = _segment_rows(sorted_ptr, starts_ptr, slot, pid_m, BLOCK_M)
-    if has_rows:
+    pid_n = tl.program_id(1)
+    slot = tl.load(tiles_ptr + tl.program_id(0) * 3)
+    if slot >= 0:
+        rows, mask_m = _tile_rows(sorted_ptr, tiles_ptr, BLOCK_M)
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -136,7 +136,7 @@ def _expand_kernel(
 
 
 def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, out: torch.Tensor, sorted_tokens: torch.Tensor, slot_starts: torch.Tensor
+    x: torch.Tensor, lora_a: torch.Tensor, out: torch.Tensor, sorted_tokens: torch.Tensor, tiles: torch.Tensor
 ) -> None:
     """out [T, N] float32 (zeroed) = x [T, K] lora_a[slot]^T ([slots, N, K]) for each token with a slot."""
     num_tokens, k = x.shape
@@ -144,13 +144,13 @@ def lora_shrink(
     assert x.stride(1) == 1 and lora_a.stride(2) == 1 and out.stride(1) == 1
     split_k = max(1, min(MAX_SPLIT_K, k // SHRINK_K_PER_SPLIT))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
-    grid = (num_slots, triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(n, SHRINK_BLOCK_N) * split_k)
+    grid = (max_tiles(num_tokens, num_slots), triton.cdiv(n, SHRINK_BLOCK_N) * split_k)
     _shrink_kernel[grid](
         x,
         lora_a,
         out,
         sorted_tokens,
-        slot_starts,
+        tiles,
         n,
         k,
         k_per_split,
@@ -182,7 +182,7 @@ def lora_expand(
     y: torch.Tensor,
     slice_offsets: tuple[int, ...],
     sorted_tokens: torch.Tensor,
-    slot_starts: torch.Tensor,
+    tiles: torch.Tensor,
 ) -> None:
     """y [T, N] += h[:, i R:(i + 1) R] lora_b[slot, slice i]^T ([slots, N, R]); `slice_offsets`:
     where slices 1, 2 start (at most three slices)."""
@@ -192,13 +192,13 @@ def lora_expand(
     assert y.stride(1) == 1 and lora_b.stride(2) == 1 and h.stride(1) == 1
     bounds = (*slice_offsets, n, n)[:2]
     block_n = expand_block_n(slice_offsets)
-    grid = (num_slots, triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(n, block_n))
+    grid = (max_tiles(num_tokens, num_slots), triton.cdiv(n, block_n))
     _expand_kernel[grid](
         h,
         lora_b,
         y,
         sorted_tokens,
-        slot_starts,
+        tiles,
         n,
         bounds[0],
         bounds[1],

@@ -52,10 +52,10 @@ def _check(num_tokens, in_features, out_slices, max_loras, device, dtype, atol, 
     index = _batch(num_tokens, max_loras, device, seed)
     assert index.active_slots
     h = torch.zeros(num_tokens, lora_a.shape[1], dtype=torch.float32, device=device)
-    lora_shrink(x, lora_a, h, index.sorted_tokens.gpu, index.slot_starts.gpu)
+    lora_shrink(x, lora_a, h, index.sorted_tokens.gpu, index.tiles)
     base = torch.randn(num_tokens, out_features, device=device).to(dtype)
     y = base.clone()
-    lora_expand(h, lora_b, y, offsets[1:], index.sorted_tokens.gpu, index.slot_starts.gpu)
+    lora_expand(h, lora_b, y, offsets[1:], index.sorted_tokens.gpu, index.tiles)
     h_ref, delta_ref = _reference(x, lora_a, lora_b, slices, index)
     torch.testing.assert_close(h.cpu(), h_ref, atol=atol, rtol=rtol)
     torch.testing.assert_close((y.float() - base.float()).cpu(), delta_ref, atol=atol * 4, rtol=rtol * 4)
@@ -64,19 +64,15 @@ def _check(num_tokens, in_features, out_slices, max_loras, device, dtype, atol, 
     assert torch.equal(y.cpu()[untouched], base.cpu()[untouched])
 
 
-def test_kernels_match_reference_interpreted() -> None:
-    """q/k/v-like slices (32, 16, 16) over 3 slots; a hidden size of 1100 is split in two K runs
-    (atomic adds) with a ragged tail."""
-    _check(
-        num_tokens=41,
-        in_features=1100,
-        out_slices=(32, 16, 16),
-        max_loras=3,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        atol=1e-4,
-        rtol=1e-4,
-    )
+@pytest.mark.parametrize(
+    ("num_tokens", "in_features", "max_loras"),
+    [(41, 1100, 3), (100, 256, 2)],
+    ids=["split-k-ragged", "several-tiles-per-slot"],
+)
+def test_kernels_match_reference_interpreted(num_tokens, in_features, max_loras) -> None:
+    """q/k/v-like slices (32, 16, 16): a hidden size of 1100 is split in two K runs (atomic adds)
+    with a ragged tail; 100 tokens over 2 slots make several token tiles per slot."""
+    _check(num_tokens, in_features, (32, 16, 16), max_loras, torch.device("cpu"), torch.float32, atol=1e-4, rtol=1e-4)
 
 
 def test_expand_tiles_never_straddle_slices() -> None:
