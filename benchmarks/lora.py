@@ -25,6 +25,8 @@ import torch
 from pagoda import LLM, LoRARequest, SamplingParams
 from pagoda.benchmarks.lora_adapters import write_random_adapter
 
+WARMUP = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
 
 def _prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     rng = random.Random(0)
@@ -40,11 +42,37 @@ def _throughput(llm: LLM, prompts: list[list[int]], params: SamplingParams, lora
     return seconds, sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
 
 
-def _release(llm: LLM) -> None:
-    llm.shutdown()
+def _free_device_memory() -> None:
+    """After an engine's shutdown and last reference: the next engine sizes its KV cache from what is free."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _base_figures(engine_args: dict, args: argparse.Namespace, params: SamplingParams) -> tuple[float, float]:
+    with LLM(**engine_args) as llm:
+        prompts = _prompts(args, llm.llm_engine.config.model_config.vocab_size)
+        llm.generate(prompts[:2], WARMUP, use_tqdm=False)
+        return _throughput(llm, prompts, params, None)
+
+
+def _lora_figures(
+    engine_args: dict, args: argparse.Namespace, params: SamplingParams, folder: str
+) -> dict[str, tuple[float, float]]:
+    with LLM(**engine_args, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank) as llm:
+        hf_config = llm.llm_engine.config.model_config.hf_config
+        adapters = []
+        for i in range(args.num_adapters):
+            path = f"{folder}/adapter{i}"
+            write_random_adapter(path, hf_config, args.rank, seed=i)
+            adapters.append(LoRARequest(f"adapter{i}", i + 1, path))
+        prompts = _prompts(args, hf_config.vocab_size)
+        llm.generate(prompts[: len(adapters)], WARMUP, use_tqdm=False, lora_request=adapters)  # fills the slots
+        mixed = [adapters[i % len(adapters)] for i in range(len(prompts))]
+        return {
+            "lora-none": _throughput(llm, prompts, params, None),
+            "lora-mixed": _throughput(llm, prompts, params, mixed),
+        }
 
 
 def run(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
@@ -61,26 +89,11 @@ def run(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     if args.dtype is not None:
         engine_args["dtype"] = args.dtype
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    warmup = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    figures = {}
-    llm = LLM(**engine_args)
-    hf_config = llm.llm_engine.config.model_config.hf_config
-    prompts = _prompts(args, hf_config.vocab_size)
-    llm.generate(prompts[:2], warmup, use_tqdm=False)
-    figures["base"] = _throughput(llm, prompts, params, None)
-    _release(llm)
+    figures = {"base": _base_figures(engine_args, args, params)}
+    _free_device_memory()
     with tempfile.TemporaryDirectory() as folder:
-        adapters = []
-        for i in range(args.num_adapters):
-            path = f"{folder}/adapter{i}"
-            write_random_adapter(path, hf_config, args.rank, seed=i)
-            adapters.append(LoRARequest(f"adapter{i}", i + 1, path))
-        llm = LLM(**engine_args, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank)
-        llm.generate(prompts[: len(adapters)], warmup, use_tqdm=False, lora_request=adapters)
-        figures["lora-none"] = _throughput(llm, prompts, params, None)
-        mixed = [adapters[i % len(adapters)] for i in range(len(prompts))]
-        figures["lora-mixed"] = _throughput(llm, prompts, params, mixed)
-        _release(llm)
+        figures.update(_lora_figures(engine_args, args, params, folder))
+    _free_device_memory()
     return figures
 
 
