@@ -224,9 +224,7 @@ def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
     return [copies.setdefault(id(p), replace(p, output_kind=RequestOutputKind.FINAL_ONLY)) for p in params]
 
 
-def _as_lora_list(
-    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
-) -> list[LoRARequest | None]:
+def _as_lora_list(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * n
     loras = list(lora_request)
