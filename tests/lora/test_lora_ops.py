@@ -12,8 +12,6 @@ from pagoda.lora import ops
 from pagoda.lora.mapping import LoRABatchIndex
 from pagoda.lora.triton_ops import expand_block_n, lora_expand, lora_shrink
 
-RANK = 16
-
 
 def _batch(num_tokens: int, max_loras: int, device: torch.device, seed: int) -> LoRABatchIndex:
     """Rows of 1-9 tokens, each with a random slot or none (-1; the first row has slot 0), then
@@ -41,14 +39,14 @@ def _reference(x, lora_a, lora_b, slices, index):
     return h, y
 
 
-def _check(num_tokens, in_features, out_slices, max_loras, device, dtype, atol, rtol, seed=0):
+def _check(num_tokens, in_features, out_slices, max_loras, device, dtype, atol, rtol, rank=16, seed=0):
     torch.manual_seed(seed)
     out_features = sum(out_slices)
     offsets = tuple(int(o) for o in np.cumsum((0, *out_slices[:-1])))
     slices = tuple(zip(offsets, out_slices, strict=True))
     x = torch.randn(num_tokens, in_features, device=device).to(dtype)
-    lora_a = (torch.randn(max_loras, len(slices) * RANK, in_features, device=device) * in_features**-0.5).to(dtype)
-    lora_b = (torch.randn(max_loras, out_features, RANK, device=device) * RANK**-0.5).to(dtype)
+    lora_a = (torch.randn(max_loras, len(slices) * rank, in_features, device=device) * in_features**-0.5).to(dtype)
+    lora_b = (torch.randn(max_loras, out_features, rank, device=device) * rank**-0.5).to(dtype)
     index = _batch(num_tokens, max_loras, device, seed)
     assert index.active_slots
     h = torch.zeros(num_tokens, lora_a.shape[1], dtype=torch.float32, device=device)
@@ -65,14 +63,16 @@ def _check(num_tokens, in_features, out_slices, max_loras, device, dtype, atol, 
 
 
 @pytest.mark.parametrize(
-    ("num_tokens", "in_features", "max_loras"),
-    [(41, 1100, 3), (100, 256, 2)],
-    ids=["split-k-ragged", "several-tiles-per-slot"],
+    ("num_tokens", "in_features", "max_loras", "rank"),
+    [(41, 1100, 3, 16), (100, 256, 2, 16), (20, 128, 2, 64)],
+    ids=["split-k-ragged", "several-tiles-per-slot", "rank-64"],
 )
-def test_kernels_match_reference_interpreted(num_tokens, in_features, max_loras) -> None:
+def test_kernels_match_reference_interpreted(num_tokens, in_features, max_loras, rank) -> None:
     """q/k/v-like slices (32, 16, 16): a hidden size of 1100 is split in two K runs (atomic adds)
-    with a ragged tail; 100 tokens over 2 slots make several token tiles per slot."""
-    _check(num_tokens, in_features, (32, 16, 16), max_loras, torch.device("cpu"), torch.float32, atol=1e-4, rtol=1e-4)
+    with a ragged tail; 100 tokens over 2 slots make several token tiles per slot; rank 64 is
+    max_lora_rank's limit."""
+    cpu = torch.device("cpu")
+    _check(num_tokens, in_features, (32, 16, 16), max_loras, cpu, torch.float32, atol=1e-4, rtol=1e-4, rank=rank)
 
 
 def test_expand_tiles_never_straddle_slices() -> None:
@@ -89,7 +89,10 @@ def test_expand_tiles_never_straddle_slices() -> None:
     ids=["qkv", "o", "gate_up", "down"],
 )
 @pytest.mark.parametrize("num_tokens", [1, 256, 2048])
-def test_kernels_match_reference_llama8b_shapes(in_features, out_slices, num_tokens) -> None:
+@pytest.mark.parametrize("rank", [16, 64])
+def test_kernels_match_reference_llama8b_shapes(in_features, out_slices, num_tokens, rank) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    _check(num_tokens, in_features, out_slices, 8, torch.device("cuda"), torch.bfloat16, atol=2e-2, rtol=2e-2)
+    _check(
+        num_tokens, in_features, out_slices, 8, torch.device("cuda"), torch.bfloat16, atol=2e-2, rtol=2e-2, rank=rank
+    )
