@@ -43,7 +43,6 @@ class OutputSlice:
 class LoRALinear:
     def __init__(
         self,
-        name: str,
         base: nn.Module,
         slices: tuple[OutputSlice, ...],
         input_size: int,
@@ -56,7 +55,6 @@ class LoRALinear:
     ) -> None:
         """`input_shard` (rank, size): a row-parallel layer's part of the input; None: all of it.
         `dtype`: the activations' (an FP8 base layer's adapters stay in it)."""
-        self.name = name
         self.slices = slices
         self.input_shard = input_shard
         self.index = index
@@ -67,7 +65,7 @@ class LoRALinear:
         self.lora_a = torch.zeros(max_loras, len(slices) * rank, input_size, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, output_size, rank, dtype=dtype, device=device)
         self.output_slices = tuple((s.offset, s.rows) for s in slices)
-        self.hook = base.register_forward_hook(self._add_lora)
+        base.register_forward_hook(self._add_lora)
 
     def _add_lora(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
         (x,) = args
@@ -97,9 +95,6 @@ class LoRALinear:
             rows = lora_b.narrow(0, part.index * part.rows, part.rows)
             self.lora_b[slot, part.offset : part.offset + part.rows, :r].copy_(rows)
 
-    def remove(self) -> None:
-        self.hook.remove()
-
 
 def _hf_name(module_name: str, ours: str, shard_id: int | str | None) -> str:
     if shard_id is None:
@@ -124,13 +119,11 @@ def wrap_linear_layers(
                 for shard_id, rank_slice in module.shards.items()
             )
             input_size = module.linear_shape.input_size
-            layers[name] = LoRALinear(name, module, slices, input_size, None, index, max_loras, rank, dtype, use_triton)
+            layers[name] = LoRALinear(module, slices, input_size, None, index, max_loras, rank, dtype, use_triton)
         elif isinstance(module, RowParallelLinear) and leaf in ("o_proj", "down_proj"):
             output_size = module.linear_shape.output_size
             slices = (OutputSlice(name, 0, output_size, 0, 1),)
             shard = (module.tp_rank, module.input_size_per_rank)
             input_size = module.input_size_per_rank
-            layers[name] = LoRALinear(
-                name, module, slices, input_size, shard, index, max_loras, rank, dtype, use_triton
-            )
+            layers[name] = LoRALinear(module, slices, input_size, shard, index, max_loras, rank, dtype, use_triton)
     return layers

@@ -112,11 +112,3 @@ class LoRAManager:
         while len(self._cpu_cache) > self.config.cpu_cache_size:
             self._cpu_cache.popitem(last=False)
         return adapter
-
-    def remove_adapter(self, adapter_id: int) -> bool:
-        """Forget an adapter (its slot becomes free); True if it was held anywhere."""
-        held = self._cpu_cache.pop(adapter_id, None) is not None
-        slot = self._slots.pop(adapter_id, None)
-        if slot is not None:
-            self._free_slots.append(slot)
-        return held or slot is not None

@@ -29,6 +29,7 @@ class LoRARequest:
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise InvalidRequestError("lora_request", "lora_request.lora_path must be a non-empty string")
 
+    # vLLM's aliases.
     @property
     def adapter_id(self) -> int:
         return self.lora_int_id

@@ -67,6 +67,8 @@ def test_one_id_names_one_adapter(llm, adapters) -> None:
 
 
 def test_lora_request_fields() -> None:
+    lora = LoRARequest("a", 3, "/adapters/a")
+    assert (lora.name, lora.adapter_id, lora.path) == ("a", 3, "/adapters/a")  # vLLM's aliases
     with pytest.raises(InvalidRequestError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("a", 0, "/tmp")
     with pytest.raises(InvalidRequestError, match="lora_name"):
