@@ -76,12 +76,10 @@ class LoRALinear:
         return output
 
     @torch.no_grad()
-    def set_slot(self, slot: int, adapter: PeftAdapter | None) -> None:
+    def set_slot(self, slot: int, adapter: PeftAdapter) -> None:
         """Write `adapter`'s tensors for this layer into `slot` (zeros where it has none)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
-        if adapter is None:
-            return
         for i, part in enumerate(self.slices):
             pair = adapter.weights.get(part.hf_module)
             if pair is None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagoda.config import LoRAConfig
+from pagoda.config import ConfigError, LoRAConfig
 from pagoda.lora.layers import LoRALinear, wrap_linear_layers
 from pagoda.lora.mapping import NO_SLOT, LoRABatchIndex
 from pagoda.lora.peft_loader import PeftAdapter, read_adapter
@@ -47,6 +47,16 @@ class LoRAManager:
         self.layers: dict[str, LoRALinear] = wrap_linear_layers(
             model, self.index, lora_config.max_loras, slot_rank(lora_config.max_lora_rank), dtype, use_triton
         )
+        if not self.layers:
+            raise ConfigError(f"enable_lora: {type(model).__name__} has no q/k/v/o/gate/up/down projection to adapt")
+        if use_triton:
+            from pagoda.lora.triton_ops import expand_block_n
+
+            for layer in self.layers.values():
+                try:
+                    expand_block_n(tuple(offset for offset, _ in layer.output_slices[1:]))
+                except ValueError as error:
+                    raise ConfigError(f"enable_lora on this model: {error}") from error
         # Adapter id -> its slot, least recently used first; free slots.
         self._slots: OrderedDict[int, int] = OrderedDict()
         self._free_slots = list(range(lora_config.max_loras))

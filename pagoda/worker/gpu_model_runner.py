@@ -144,6 +144,7 @@ class GPUModelRunner:
         self.memory_pool = memory_pool
         self.model_config = config.model_config
         self.cache_config = config.cache_config
+        self.lora_config = config.lora_config
         self.scheduler_config = config.scheduler_config
         self.device = device
         self.dtype = self.model_config.dtype
@@ -250,12 +251,12 @@ class GPUModelRunner:
         self.model = get_model(self.model_config, self.attn_backend, self.device)
         if self.memory_pool is not None:
             self.memory_pool.pack_module(self.model, "weights")
-        if self.config.lora_config is not None:
+        if self.lora_config is not None:
             from pagoda.lora.manager import LoRAManager
 
             self.lora_manager = LoRAManager(
                 self.model,
-                self.config.lora_config,
+                self.lora_config,
                 self.model_config.hf_config,
                 self.max_num_tokens,
                 self.device,
