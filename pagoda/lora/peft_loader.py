@@ -149,9 +149,9 @@ def read_adapter(
                     raise _fail(request, f"tensor {key!r} has shape {list(shape)}, the model needs {list(expected)}")
                 module = f"{match['prefix']}.{match['module']}"
                 parts.setdefault(module, {})[match["part"]] = f.get_tensor(key) if load_weights else None
-    except (OSError, ValueError) as error:
-        if isinstance(error, InvalidRequestError):
-            raise
+    except InvalidRequestError:
+        raise
+    except Exception as error:  # safetensors' own errors (a corrupt header) derive from Exception only
         raise _fail(request, f"cannot read {ADAPTER_WEIGHTS}: {error}") from error
     weights = {}
     for module, pair in parts.items():

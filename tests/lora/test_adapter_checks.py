@@ -52,8 +52,10 @@ def test_missing_files_and_unsupported_settings(llm, adapters, tmp_path) -> None
     config = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     _refused(llm, LoRARequest("dora", 9, str(dora)), "use_dora")
-    os.remove(dora / "adapter_model.safetensors")
     (dora / "adapter_config.json").write_text(json.dumps(config))
+    (dora / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    _refused(llm, LoRARequest("dora", 9, str(dora)), "cannot read adapter_model.safetensors")
+    os.remove(dora / "adapter_model.safetensors")
     _refused(llm, LoRARequest("dora", 9, str(dora)), "no adapter_model.safetensors")
 
 
