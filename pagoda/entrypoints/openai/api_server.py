@@ -215,20 +215,23 @@ def build_app(
     async def models() -> ModelList:
         return ModelList(data=lora.model_cards(max_model_len))
 
+    def check_lora_updates() -> None:
+        """Refused whatever the body says while the feature is off: its fields mean nothing then."""
+        if not options.enable_lora_updates:
+            raise OpenAIError(403, "LoRA updates are off: start the server with --enable-lora-updates")
+
     @app.post("/v1/load_lora_adapter", openapi_extra=body_schema(LoadLoRAAdapterRequest))
     async def load_lora_adapter(raw_request: Request) -> dict[str, Any]:
         """Serve the adapter at `lora_path` as `lora_name` (with --enable-lora-updates only)."""
+        check_lora_updates()
         body = await read_body(raw_request, LoadLoRAAdapterRequest)
-        if not options.enable_lora_updates:
-            raise OpenAIError(403, "LoRA updates are off: start the server with --enable-lora-updates")
         adapter = await lora.load(body.lora_name, body.lora_path)
         return {"lora_name": adapter.lora_name, "lora_int_id": adapter.lora_int_id}
 
     @app.post("/v1/unload_lora_adapter", openapi_extra=body_schema(UnloadLoRAAdapterRequest))
     async def unload_lora_adapter(raw_request: Request) -> dict[str, Any]:
+        check_lora_updates()
         body = await read_body(raw_request, UnloadLoRAAdapterRequest)
-        if not options.enable_lora_updates:
-            raise OpenAIError(403, "LoRA updates are off: start the server with --enable-lora-updates")
         adapter = lora.unload(body.lora_name)
         return {"lora_name": adapter.lora_name, "lora_int_id": adapter.lora_int_id}
 
