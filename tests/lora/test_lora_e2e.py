@@ -101,3 +101,15 @@ def test_prefix_cache_never_shares_blocks_across_adapters(tiny_base, adapters) -
         again_hits, again = hits(adapters[0])
         assert again_hits == (len(PROMPTS[0]) - 1) // 8 * 8 and again == first
         assert hits(None)[0] > 0
+
+
+def test_preempted_requests_keep_their_adapters(tiny_base, adapters, references) -> None:
+    """A pool of 12 blocks holds two of these requests at a time: the others preempt and resume
+    (re-prefilled under their own adapter), and every output is still its adapter's."""
+    base_path, _ = tiny_base
+    settings = {"device": "cpu", "dtype": "float32", "num_gpu_blocks": 12}
+    with LLM(model=base_path, max_model_len=48, block_size=8, enable_lora=True, max_loras=2, **settings) as llm:
+        requests = [(p, lora) for lora in [*adapters[:2], None] for p in range(len(PROMPTS))]
+        tokens = generate(llm, requests)
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    check_against_references(requests, tokens, references)
