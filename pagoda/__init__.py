@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagoda.entrypoints.llm import LLM
+    from pagoda.lora.request import LoRARequest
     from pagoda.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
     from pagoda.pooling_params import PoolingParams
     from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
@@ -20,6 +21,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EmbeddingRequestOutput",
+    "LoRARequest",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
@@ -31,6 +33,7 @@ __version__ = "0.1.0"
 # Where each public name lives.
 _MODULES = {
     "LLM": "pagoda.entrypoints.llm",
+    "LoRARequest": "pagoda.lora.request",
     "CompletionOutput": "pagoda.outputs",
     "RequestOutput": "pagoda.outputs",
     "EmbeddingRequestOutput": "pagoda.outputs",

@@ -377,6 +377,34 @@ def _check_int(name: str, value: Any, low: int, high: int) -> None:
         raise ConfigError(f"speculative_config.{name} must be an integer in [{low}, {high}], got {value!r}")
 
 
+# Largest adapter rank the slots hold (the issue's limit; the kernels pad ranks to a power of two >= 16).
+MAX_LORA_RANK = 64
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (`LLM(enable_lora=True, ...)`): `max_loras` device slots, hence at most that
+    many distinct adapters per step; adapters up to rank `max_lora_rank`; `max_cpu_loras` adapters
+    kept loaded in CPU memory (None: `max_loras`), so a slot refills without reading the files."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("max_loras", 1, 1024), ("max_lora_rank", 1, MAX_LORA_RANK)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ConfigError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
+
+    @property
+    def cpu_cache_size(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 @dataclass
 class EngineConfig:
     """Build one from user settings with `pagoda.engine.arg_utils.create_engine_config(**kwargs)`."""
@@ -388,3 +416,4 @@ class EngineConfig:
     device_config: DeviceConfig
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None

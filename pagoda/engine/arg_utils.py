@@ -25,6 +25,7 @@ from pagoda.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from pagoda.lora.config import LORA_ARGUMENTS, resolve_lora_config
 from pagoda.model.layers.quantization.config import check_kv_cache_dtype, resolve_quantization
 from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
 from pagoda.pooling.config import resolve_pooler_config, resolve_task
@@ -66,6 +67,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
     }
     speculative = kwargs.pop("speculative_config", None)
     pooler = kwargs.pop("pooler_config", None)
+    lora_kwargs = {name: kwargs.pop(name) for name in LORA_ARGUMENTS if name in kwargs}
     for key, value in kwargs.items():
         if key not in owners:
             raise ConfigError(f"unknown engine argument {key!r}")
@@ -135,6 +137,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         raise ConfigError(
             "encoder-only models (BERT) run on one rank: tensor_parallel_size and pipeline_parallel_size must be 1"
         )
+    lora_config = resolve_lora_config(lora_kwargs, model_config)
     cache_config = CacheConfig(**split["cache_config"])
     check_kv_cache_dtype(cache_config.kv_cache_dtype, torch.device(device_config.device))
     return EngineConfig(
@@ -145,6 +148,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         device_config=device_config,
         compilation_config=CompilationConfig(**split["compilation_config"]),
         speculative_config=speculative_config,
+        lora_config=lora_config,
     )
 
 

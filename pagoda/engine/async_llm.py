@@ -36,6 +36,7 @@ from pagoda.engine.errors import EngineDeadError, EngineSleepingError, RequestFa
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
 from pagoda.errors import InvalidRequestError
+from pagoda.lora.request import LoRARequest
 from pagoda.metrics import RequestTimes, ServerMetrics
 from pagoda.outputs import FinishReason, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -145,22 +146,29 @@ class AsyncLLM:
         return True
 
     def add_requests(
-        self, requests: Sequence[tuple[PromptType, SamplingParams, str]], cache_salt: str | None = None
+        self,
+        requests: Sequence[tuple[PromptType, SamplingParams, str]],
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and tokenize every (prompt, params, request id) first, then queue them all:
         an invalid one (InvalidRequestError) rejects the lot before any runs. `cache_salt`
         (one tenant's key) keeps their prefix-cache blocks apart from other salts'. It
-        tokenizes on the caller's thread: a server calls `add_requests_async`."""
+        tokenizes on the caller's thread: a server calls `add_requests_async`. `lora_request`:
+        the adapter they all run with (None: the base model)."""
         self._check_can_add(requests)
-        self._queue(self._process(requests, cache_salt))
+        self._queue(self._process(requests, cache_salt, lora_request))
 
     async def add_requests_async(
-        self, requests: Sequence[tuple[PromptType, SamplingParams, str]], cache_salt: str | None = None
+        self,
+        requests: Sequence[tuple[PromptType, SamplingParams, str]],
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """`add_requests` with the validation and tokenizing on the processing thread, and only
         the queueing on the event loop's."""
         self._check_can_add(requests)
-        processed = await self.run_processing(lambda: self._process(requests, cache_salt))
+        processed = await self.run_processing(lambda: self._process(requests, cache_salt, lora_request))
         self._check_can_add(requests)  # the engine may have died, slept or filled up meanwhile
         self._queue(processed)
 
@@ -178,10 +186,14 @@ class AsyncLLM:
         self._check_queue_room(sum(params.n for _, params, _ in requests))
 
     def _process(
-        self, requests: Sequence[tuple[PromptType, SamplingParams, str]], cache_salt: str | None
+        self,
+        requests: Sequence[tuple[PromptType, SamplingParams, str]],
+        cache_salt: str | None,
+        lora_request: LoRARequest | None = None,
     ) -> list[ProcessedRequest]:
         processed = [
-            self.engine.process(prompt, params, request_id, cache_salt) for prompt, params, request_id in requests
+            self.engine.process(prompt, params, request_id, cache_salt, lora_request)
+            for prompt, params, request_id in requests
         ]
         for request, _ in processed:
             self.engine.processor.check_fits_context(request)

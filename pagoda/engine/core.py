@@ -54,6 +54,7 @@ class EngineCore:
             pipeline_parallel=pp_size > 1,
             speculative_config=config.speculative_config,
             whole_prompt_pooling=config.model_config.pooling_needs_whole_prompt,
+            max_loras=config.lora_config.max_loras if config.lora_config is not None else None,
         )
         # One batch per pipeline stage in flight, so that no stage waits for another.
         self.batch_queue_size = max(pp_size, 2 if config.scheduler_config.async_scheduling else 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pagoda.lora.request import LoRARequest
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -32,6 +33,8 @@ class EngineCoreRequest:
     # Set for a pooling request (an embedding): it ends with its vector once its prompt is computed,
     # and `sampling_params` is then POOLING_SAMPLING_PARAMS.
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter to run with (checked against the model by the processor); None: the base model.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         # Plain immutable containers, whatever sequence the caller passed.

@@ -25,6 +25,7 @@ from pagoda.engine.parallel_sampling import ParentRequest
 from pagoda.engine.processor import Processor, PromptType
 from pagoda.engine.token_bytes import TokenBytes
 from pagoda.errors import InvalidRequestError
+from pagoda.lora.request import LoRARequest
 from pagoda.model.loader import get_eos_token_ids, load_tokenizer
 from pagoda.outputs import RequestOutput, RequestStatus
 from pagoda.sampling_params import SamplingParams
@@ -62,9 +63,10 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError before anything is queued."""
-        request, prompt_text = self.process(prompt, params, request_id, cache_salt)
+        request, prompt_text = self.process(prompt, params, request_id, cache_salt, lora_request)
         self.enqueue(request, prompt_text)
         return request.request_id
 
@@ -74,11 +76,13 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Validate and tokenize without queueing (so a batch can be checked whole first).
 
         `cache_salt` keys the request's prefix-cache blocks: only requests with the same salt
         (or both without one) share cached blocks, so tenants never see each other's prefixes.
+        `lora_request` runs the request with that adapter (checked against the model here).
         """
         if self.dead_error is not None:
             raise self.dead_error
@@ -87,7 +91,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt", "cache_salt must be a non-empty string")
-        return self.processor.process(request_id, prompt, params, cache_salt)
+        return self.processor.process(request_id, prompt, params, cache_salt, lora_request)
 
     def enqueue(self, request: EngineCoreRequest, prompt_text: str | None) -> None:
         """Queue a processed request; one with n > 1 as n child requests (see parallel_sampling)."""

@@ -14,6 +14,8 @@ from transformers import PreTrainedTokenizerBase
 from pagoda.config import EngineConfig
 from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.errors import InvalidRequestError
+from pagoda.lora.checker import LoRARequestChecker
+from pagoda.lora.request import LoRARequest
 from pagoda.pooling import processing as pooling
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
@@ -35,6 +37,7 @@ class Processor:
         self.vocab_size = config.model_config.vocab_size
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.lora_checker = LoRARequestChecker(config.lora_config, config.model_config.hf_config)
 
     def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         """Text to token ids, special-token text (`<|im_start|>`, ...) kept as plain text so a
@@ -61,10 +64,13 @@ class Processor:
         prompt: PromptType,
         params: SamplingParams | PoolingParams,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """The checked request for the core, and the prompt's text (None when it came as token
         ids or was truncated)."""
         pooling.check_task(self.model_config, params)
+        if lora_request is not None:
+            self.lora_checker.check(lora_request)
         if isinstance(params, PoolingParams):
             return self._process_pooling(request_id, prompt, params, cache_salt)
         prompt_text, prompt_token_ids = self.tokenize(prompt)
@@ -111,6 +117,7 @@ class Processor:
             eos_token_ids=frozenset() if params.ignore_eos else frozenset(self.eos_token_ids),
             arrival_time=time.time(),
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         return request, prompt_text
 

@@ -89,6 +89,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (default: off)',
     )
+    lora = parser.add_argument_group("LoRA")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the model")
+    lora.add_argument("--max-loras", type=int, default=None, help="adapters in one batch (device slots; default: 1)")
+    lora.add_argument("--max-lora-rank", type=int, default=None, help="highest adapter rank, up to 64 (default: 16)")
+    lora.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept in CPU memory (default: --max-loras)"
+    )
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=None, help="ranks splitting each layer (default: 1)"
@@ -115,6 +122,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "generation_config": args.generation_config,
         "task": args.task,
     }
+    if args.enable_lora:
+        kwargs["enable_lora"] = True
     for name in (
         "tokenizer",
         "max_model_len",
@@ -128,6 +137,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "pooler_config",
         "quantization",
         "kv_cache_dtype",
+        "max_loras",
+        "max_lora_rank",
+        "max_cpu_loras",
     ):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)

@@ -17,6 +17,7 @@ from pagoda.engine.chat import Conversation, render_chat
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
 from pagoda.errors import InvalidRequestError
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import (
     EmbeddingRequestOutput,
     RequestOutput,
@@ -93,12 +94,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run a batch to completion; outputs come back in the order of the prompts.
-        `cache_salt` isolates the batch in the prefix cache: only requests with the same salt share blocks."""
+        `cache_salt` isolates the batch in the prefix cache: only requests with the same salt share blocks.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
-        request_ids = self._add_all(prompt_list, _final_only(params_list), cache_salt)
+        lora_list = _as_lora_list(lora_request, len(prompt_list))
+        request_ids = self._add_all(prompt_list, _final_only(params_list), cache_salt, lora_list)
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(
@@ -108,11 +112,12 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or a list of them with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def embed(
         self,
@@ -178,11 +183,13 @@ class LLM:
         prompts: list[PromptType],
         params: list[SamplingParams] | list[PoolingParams],
         cache_salt: str | None = None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[str]:
         """Validate every request first, so a bad one rejects the batch before any runs."""
         engine = self.llm_engine
         processed = [
-            engine.process(prompt, p, cache_salt=cache_salt) for prompt, p in zip(prompts, params, strict=True)
+            engine.process(prompt, p, cache_salt=cache_salt, lora_request=lora)
+            for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts), strict=True)
         ]
         for request, prompt_text in processed:
             engine.enqueue(request, prompt_text)
@@ -215,6 +222,15 @@ def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
     as they are): a batch run to completion needs no per-step outputs."""
     copies: dict[int, SamplingParams] = {}
     return [copies.setdefault(id(p), replace(p, output_kind=RequestOutputKind.FINAL_ONLY)) for p in params]
+
+
+def _as_lora_list(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise InvalidRequestError("lora_request", f"got {len(loras)} lora requests for {n} prompts")
+    return loras
 
 
 def _as_params_list(

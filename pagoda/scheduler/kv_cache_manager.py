@@ -7,8 +7,9 @@ changes nothing, a prefix-cache hit is the longest prefix every group can resume
 freeing, caching and the idle check run per group.
 
 A block hash is sha256 over a canonical byte encoding of (parent hash, the block's token
-ids, extra keys), so equal hashes mean equal prefixes; the request's `cache_salt` is an
-extra key, so tenants with different salts never share blocks. Requests are hashed in blocks
+ids, extra keys), so equal hashes mean equal prefixes; the request's `cache_salt` and its LoRA
+adapter are extra keys, so tenants with different salts, and different adapters, never share
+blocks. Requests are hashed in blocks
 of `hash_block_size` tokens (the gcd of the groups' block sizes); a group with larger blocks
 keys its block by the hash that ends at the block's last token. Only full blocks are hashed,
 and a block is registered in the cache only once its tokens have been computed.
@@ -45,6 +46,18 @@ def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int], extra_ke
         )
     )
     return hashlib.sha256(payload).digest()
+
+
+def block_extra_keys(request: Request) -> bytes:
+    """What beside the tokens keys a request's blocks: its `cache_salt` and its LoRA adapter
+    (an adapter changes every layer's keys and values), each tagged and length-prefixed so no
+    salt can forge an adapter's key."""
+    if not request.cache_salt and request.lora_request is None:
+        return b""
+    keys = [(b"salt", request.cache_salt.encode())] if request.cache_salt else []
+    if request.lora_request is not None:
+        keys.append((b"lora", request.lora_request.cache_key()))
+    return b"".join(tag + struct.pack("<I", len(value)) + value for tag, value in keys)
 
 
 class KVCacheManager:
@@ -90,7 +103,7 @@ class KVCacheManager:
         num_full = request.num_tokens // size
         if len(hashes) == num_full:
             return
-        extra_keys = request.cache_salt.encode() if request.cache_salt else b""
+        extra_keys = block_extra_keys(request)
         tokens = request.all_token_ids
         parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
         for i in range(len(hashes), num_full):

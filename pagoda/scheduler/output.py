@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.lora.request import LoRARequest
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -24,6 +25,8 @@ class NewRequestData:
     num_computed_tokens: int
     # A pooling request's settings (its sampling_params are then a placeholder that samples nothing).
     pooling_params: PoolingParams | None = None
+    # The adapter the request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagoda.engine.core_request import EngineCoreRequest
+    from pagoda.lora.request import LoRARequest
 
 
 class Request:
@@ -38,6 +39,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -47,6 +49,8 @@ class Request:
         self.cache_salt = cache_salt
         # A pooling request finishes with its vector in the step that completes its prompt.
         self.pooling_params = pooling_params
+        # Its LoRA adapter: keys its prefix-cache blocks and counts toward max_loras per step.
+        self.lora_request = lora_request
         # None: generate until max_model_len.
         self.max_tokens = sampling_params.max_tokens
 
@@ -78,6 +82,7 @@ class Request:
             arrival_time=request.arrival_time,
             cache_salt=request.cache_salt,
             pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
 
     @property

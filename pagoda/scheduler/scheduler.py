@@ -63,7 +63,10 @@ class Scheduler:
         pipeline_parallel: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         whole_prompt_pooling: bool = False,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: distinct LoRA adapters the running requests may use at once (the runner's
+        device slots); None: LoRA is off."""
         budget = scheduler_config.max_num_batched_tokens
         if budget is None:
             raise ValueError("scheduler_config.max_num_batched_tokens must be set before building the Scheduler")
@@ -80,6 +83,7 @@ class Scheduler:
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.pipeline_parallel = pipeline_parallel
         self.whole_prompt_pooling = whole_prompt_pooling
+        self.max_loras = max_loras
         self.kv_cache_manager = KVCacheManager(kv_cache_config, cache_config.enable_prefix_caching)
 
         self.requests: dict[str, Request] = {}
@@ -237,6 +241,9 @@ class Scheduler:
         # requests share their prefix blocks and their decode attention reads them once (cascade).
         position = 0
         filling: set[bytes] = set()
+        # Adapters of the running requests: a waiting request with another one waits (keeping its
+        # place) while they fill the runner's slots, so every step has at most max_loras adapters.
+        running_loras = self._running_lora_ids()
         while (
             not preempted_req_ids
             and position < len(self.waiting)
@@ -244,7 +251,7 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[position]
-            if request.waits_for_grammar:
+            if request.waits_for_grammar or not self._lora_fits(request, running_loras):
                 position += 1
                 continue
             if request.num_pending_tokens:
@@ -285,9 +292,12 @@ class Scheduler:
                         block_ids=block_ids,
                         num_computed_tokens=num_hit_tokens,
                         pooling_params=request.pooling_params,
+                        lora_request=request.lora_request,
                     )
                 )
             request.status = RequestStatus.RUNNING
+            if request.lora_request is not None:
+                running_loras.add(request.lora_request.lora_int_id)
             num_scheduled[request.request_id] = num_new
             scheduled.append(request)
             budget -= num_new
@@ -427,6 +437,19 @@ class Scheduler:
                 f"prompt_token_ids has {request.num_prompt_tokens} tokens; this model pools over the whole prompt "
                 f"in one step, so at most max_num_batched_tokens = {self.max_num_batched_tokens} fit"
             )
+
+    def _running_lora_ids(self) -> set[int]:
+        if self.max_loras is None:
+            return set()
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def _lora_fits(self, request: Request, running_loras: set[int]) -> bool:
+        """Whether the request's adapter is running already or one more fits max_loras."""
+        lora = request.lora_request
+        if lora is None or lora.lora_int_id in running_loras:
+            return True
+        assert self.max_loras is not None, "a LoRA request reached a scheduler without LoRA"
+        return len(running_loras) < self.max_loras
 
     def _propose(self) -> dict[str, list[int]]:
         """Drafts for the running requests about to decode: the draft model's from their last

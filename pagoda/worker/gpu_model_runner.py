@@ -54,6 +54,7 @@ from pagoda.worker.sampling_batch import OFF
 from pagoda.worker.tagged_memory import TaggedMemoryPool
 
 if TYPE_CHECKING:
+    from pagoda.lora.manager import LoRAManager
     from pagoda.structured_output.pipeline import GrammarPipeline
     from pagoda.structured_output.state import GrammarState
 
@@ -145,6 +146,7 @@ class GPUModelRunner:
         self.memory_pool = memory_pool
         self.model_config = config.model_config
         self.cache_config = config.cache_config
+        self.lora_config = config.lora_config
         self.scheduler_config = config.scheduler_config
         self.device = device
         self.dtype = self.model_config.dtype
@@ -223,6 +225,8 @@ class GPUModelRunner:
                 *(torch.zeros(self.max_num_tokens, hidden_size, dtype=self.dtype, device=device) for _ in range(2))
             )
         self.cudagraph_manager: CudaGraphManager | None = None
+        # LoRA adapters' device slots and the step's per-token slot index (built with the model).
+        self.lora_manager: LoRAManager | None = None
         # Structured output: the requests with a grammar, and what advances their grammars and
         # fills their masks off the step's critical path (made with the first one; nothing of
         # it runs while the set is empty).
@@ -255,6 +259,18 @@ class GPUModelRunner:
             draft = self.drafter.load_model()
             if self.memory_pool is not None:
                 self.memory_pool.pack_module(draft, "weights")
+        if self.lora_config is not None:
+            from pagoda.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(
+                self.model,
+                self.lora_config,
+                self.model_config.hf_config,
+                self.max_num_tokens,
+                self.device,
+                self.dtype,
+                use_triton=self.device.type == "cuda" or self.attn_backend.name == "triton",
+            )
         layers = self._attention_layers()
         self.cudagraph_manager = self._make_cudagraph_manager(
             min((layer.backend.cudagraph_support for layer in layers), default=CUDAGraphSupport.ALWAYS)
@@ -513,6 +529,7 @@ class GPUModelRunner:
                 prompt_logprobs=prompt_logprobs,
                 grammar=self._new_grammar(params),
                 pooling_params=new_req.pooling_params,
+                lora_request=new_req.lora_request,
             )
             self.requests[new_req.req_id] = state
             if state.grammar is not None:
@@ -630,6 +647,9 @@ class GPUModelRunner:
         offsets = self._arange[:total] - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
         num_computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
         positions = num_computed[req_indices] + offsets
+        if self.lora_manager is not None:
+            row_loras = [self.requests[req_id].lora_request for req_id in batch.req_ids]
+            self.lora_manager.set_batch(row_loras, num_scheduled, num_input_tokens)
 
         self.positions.np[:total] = positions
         self.input_ids.np[:total] = batch.token_ids_cpu[req_indices, positions]

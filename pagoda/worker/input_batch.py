@@ -23,6 +23,7 @@ from pagoda.worker.block_table import MultiGroupBlockTable
 from pagoda.worker.sampling_batch import SamplingBatch
 
 if TYPE_CHECKING:
+    from pagoda.lora.request import LoRARequest
     from pagoda.structured_output.state import GrammarState
 
 
@@ -43,6 +44,8 @@ class CachedRequestState:
     grammar: GrammarState | None = None
     # A pooling request's settings (dimensions, normalize); None for a request that samples.
     pooling_params: PoolingParams | None = None
+    # The request's LoRA adapter; None: the base model.
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:

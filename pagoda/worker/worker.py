@@ -95,8 +95,8 @@ class Worker:
     def determine_available_memory(self) -> int:
         """Bytes the KV cache may take on this device.
 
-        CUDA: total x gpu_memory_utilization minus the peak of a profile run (weights and
-        the largest batch's activations, sampler included), the memory held outside torch's
+        CUDA: total x gpu_memory_utilization minus the peak of a profile run (weights, LoRA
+        slots included, and the largest batch's activations, sampler included), the memory held outside torch's
         allocator, and what the CUDA graphs will take (measured on scratch captures). CPU:
         the configured `cpu_kv_cache_gib`.
         """
@@ -117,12 +117,14 @@ class Worker:
         torch.cuda.empty_cache()
         graphs = self.model_runner.profile_cudagraph_memory()
         available = int(total * self.cache_config.gpu_memory_utilization - peak - non_torch - graphs)
+        lora_manager = self.model_runner.lora_manager
         logger.info(
-            "memory: total %.2f GiB x utilization %.2f; weights %.2f GiB, peak activations %.2f GiB, "
-            "non-torch %.2f GiB, CUDA graphs %.2f GiB (estimated); KV cache gets %.2f GiB",
+            "memory: total %.2f GiB x utilization %.2f; weights %.2f GiB (LoRA slots %.2f GiB), peak activations "
+            "%.2f GiB, non-torch %.2f GiB, CUDA graphs %.2f GiB (estimated); KV cache gets %.2f GiB",
             total / GiB,
             self.cache_config.gpu_memory_utilization,
             weights / GiB,
+            (lora_manager.nbytes if lora_manager is not None else 0) / GiB,
             (peak + tagged_weights - weights) / GiB,
             (non_torch - tagged_weights) / GiB,
             graphs / GiB,

@@ -16,9 +16,10 @@ VOCAB = 100
 
 def processor() -> Processor:
     model_config = SimpleNamespace(
-        max_model_len=64, vocab_size=VOCAB, is_embedding_model=False, pooling_needs_whole_prompt=False
+        max_model_len=64, vocab_size=VOCAB, is_embedding_model=False, pooling_needs_whole_prompt=False, hf_config=None
     )
-    return Processor(SimpleNamespace(model_config=model_config), tokenizer=None, eos_token_ids={0})
+    config = SimpleNamespace(model_config=model_config, lora_config=None)
+    return Processor(config, tokenizer=None, eos_token_ids={0})
 
 
 @pytest.mark.parametrize(

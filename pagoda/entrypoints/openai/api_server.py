@@ -13,7 +13,9 @@ a CPU copy, level 2 reloads them from the checkpoint) and the KV cache; `POST /w
 optional `?tags=weights&tags=kv_cache`, restores them; `GET /is_sleeping`. While asleep, requests
 get 503 `engine_sleeping` and /health stays 200 with `"sleeping": true`. `POST /update_weights`
 `{"path": ...}` loads new weights in place, only with `--enable-weight-updates` (403 otherwise:
-it reads any path the server can). A sleep with requests in flight gets 409, as does any call
+it reads any path the server can). LoRA adapters (serving_lora.py): `--lora-modules name=path`,
+`model=<adapter name>`, and `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` with
+`--enable-lora-updates` only (403 otherwise, for the same reason). A sleep with requests in flight gets 409, as does any call
 the engine's state forbids (waking what is awake); a bad argument gets 400 naming it.
 
 Stopping: SIGTERM (or SIGINT) makes the server drain: new requests get 503, the listening
@@ -56,7 +58,6 @@ from pagoda.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -75,6 +76,7 @@ from pagoda.entrypoints.openai.response_store import ResponseStore
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagoda.entrypoints.openai.serving_lora import LoadLoRAAdapterRequest, OpenAIServingLoRA, UnloadLoRAAdapterRequest
 from pagoda.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagoda.entrypoints.openai.serving_score import OpenAIServingRerank, OpenAIServingScore
 from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -169,6 +171,12 @@ def build_app(
     embeddings = OpenAIServingEmbedding(engine, served_model_name)
     scores = OpenAIServingScore(engine, served_model_name)
     rerank = OpenAIServingRerank(engine, served_model_name)
+    # One registry of LoRA adapters for every route that reads `model`.
+    lora = OpenAIServingLoRA(engine, served_model_name)
+    for serving in (completions, chat, responses, tokenization, embeddings, scores, rerank):
+        serving.lora = lora
+    for name, path in options.lora_modules:
+        lora.register(name, path)
     max_model_len = engine.config.model_config.max_model_len
     limits = request_limits(engine.tokenizer, max_model_len)
     install_body_schemas(
@@ -183,6 +191,8 @@ def build_app(
             EmbeddingRequest,
             ScoreRequest,
             RerankRequest,
+            LoadLoRAAdapterRequest,
+            UnloadLoRAAdapterRequest,
         ],
     )
     install_absent_routes(app)
@@ -203,7 +213,27 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=max_model_len)])
+        return ModelList(data=lora.model_cards(max_model_len))
+
+    def check_lora_updates() -> None:
+        """Refused whatever the body says while the feature is off: its fields mean nothing then."""
+        if not options.enable_lora_updates:
+            raise OpenAIError(403, "LoRA updates are off: start the server with --enable-lora-updates")
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=body_schema(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(raw_request: Request) -> dict[str, Any]:
+        """Serve the adapter at `lora_path` as `lora_name` (with --enable-lora-updates only)."""
+        check_lora_updates()
+        body = await read_body(raw_request, LoadLoRAAdapterRequest)
+        adapter = await lora.load(body.lora_name, body.lora_path)
+        return {"lora_name": adapter.lora_name, "lora_int_id": adapter.lora_int_id}
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=body_schema(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(raw_request: Request) -> dict[str, Any]:
+        check_lora_updates()
+        body = await read_body(raw_request, UnloadLoRAAdapterRequest)
+        adapter = lora.unload(body.lora_name)
+        return {"lora_name": adapter.lora_name, "lora_int_id": adapter.lora_int_id}
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def create_completion(raw_request: Request) -> Response:

@@ -39,6 +39,9 @@ class ServerOptions:
     # Parsers of chat answers by name (tool_parsers/, reasoning/); None: the model's default / none.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # LoRA adapters served from the start, (name, path); and whether clients may load more.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora_updates: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -52,7 +55,20 @@ class ServerOptions:
             enable_ui=not args.no_ui,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            lora_modules=tuple(parse_lora_modules(args.lora_modules or [])),
+            enable_lora_updates=args.enable_lora_updates,
         )
+
+
+def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
+    """`name=path` items of --lora-modules as (name, path); ValueError naming a malformed one."""
+    modules = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules items are name=path, got {value!r}")
+        modules.append((name, path))
+    return modules
 
 
 def _positive_int(text: str) -> int:
@@ -169,6 +185,18 @@ def _add_feature_args(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="split <think>...</think> reasoning from chat answers into reasoning_content (default: none)",
     )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        default=None,
+        help="LoRA adapters (PEFT directories) served as model NAME (needs --enable-lora)",
+    )
+    group.add_argument(
+        "--enable-lora-updates",
+        action="store_true",
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (loading reads any path the server can)",
+    )
     group.add_argument("--no-ui", action="store_true", help="do not serve the chat page at GET /")
     group.add_argument(
         "--enable-debug-routes", action="store_true", help="add GET /debug/idle (the engine's idle check, for tests)"
@@ -182,6 +210,12 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"model given twice ({args.model_tag!r} and --model {args.model!r}): give one")
     if args.model_tag is not None:
         args.model = args.model_tag
+    try:
+        parse_lora_modules(args.lora_modules or [])
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    if (args.lora_modules or args.enable_lora_updates) and not args.enable_lora:
+        raise ConfigError("--lora-modules and --enable-lora-updates need --enable-lora")
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"port must be in [1, 65535], got {args.port}")
     check_port_free(args.host, args.port)

@@ -481,6 +481,9 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagoda"
     max_model_len: int
+    # A LoRA adapter's card: the base model's name, and the adapter's directory.
+    parent: str | None = None
+    root: str | None = None
 
 
 class ModelList(BaseModel):

@@ -21,6 +21,7 @@ from pagoda.engine.processor import PromptType
 from pagoda.engine.token_bytes import TextOffsets, TokenBytes
 from pagoda.entrypoints.openai.errors import OpenAIError, invalid_request
 from pagoda.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from pagoda.entrypoints.openai.serving_lora import OpenAIServingLoRA
 from pagoda.entrypoints.openai.streaming import SSEResponse, cancel_on_disconnect, merge_outputs, sse_events
 from pagoda.entrypoints.openai.structured import Constraint
 from pagoda.errors import InvalidRequestError
@@ -104,6 +105,8 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.tokenizer = engine.tokenizer
         self.trust_request_chat_template = trust_request_chat_template
+        # The LoRA adapters served under their own names (the app shares one registry).
+        self.lora = OpenAIServingLoRA(engine, served_model_name)
 
     def check_request(self, body: SamplingFields) -> None:
         """What pydantic cannot check alone: the model name, and stream_options only with stream."""
@@ -112,13 +115,18 @@ class OpenAIServing:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", "stream_options")
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and not self.lora.knows(model):
             raise OpenAIError(
                 404,
-                f"The model `{model}` does not exist; this server serves `{self.served_model_name}`",
+                f"The model `{model}` does not exist; this server serves "
+                f"{', '.join(f'`{m}`' for m in [self.served_model_name, *self.lora.adapters])}",
                 param="model",
                 code="model_not_found",
             )
+
+    def response_model(self, body: SamplingFields) -> str:
+        """The model a response names: the LoRA adapter the request asked for, else the base model."""
+        return body.model if body.model is not None and body.model in self.lora.adapters else self.served_model_name
 
     def sampling_params(
         self, body: SamplingFields, max_tokens: int | None, constraint: Constraint | None = None, **fields: Any
@@ -156,14 +164,17 @@ class OpenAIServing:
         and the client's tags to log; `constraint` as for sampling_params (the engine refuses a
         constraint that does not compile here)."""
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        cache_salt = None
+        cache_salt = lora_request = None
         if body is not None:
             log_request_tags(response_id, body)
             cache_salt = body.cache_salt
+            lora_request = self.lora.lora_request(body.model)
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         try:
             await self.engine.add_requests_async(
-                [(p, params, rid) for p, rid in zip(prompts, request_ids, strict=True)], cache_salt=cache_salt
+                [(p, params, rid) for p, rid in zip(prompts, request_ids, strict=True)],
+                cache_salt=cache_salt,
+                lora_request=lora_request,
             )
         except InvalidRequestError as error:
             raise invalid_request(error, self._param_names(constraint)) from error

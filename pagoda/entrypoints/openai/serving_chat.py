@@ -223,7 +223,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=response_id,
             created=created(),
-            model=self.served_model_name,
+            model=self.response_model(body),
             choices=choices,
             usage=make_usage({0: output}),
         )
@@ -243,7 +243,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choice: ChatChunkChoice) -> ChatCompletionChunk:
             return ChatCompletionChunk(
-                id=response_id, created=created_at, model=self.served_model_name, choices=[choice]
+                id=response_id, created=created_at, model=self.response_model(body), choices=[choice]
             )
 
         async for position, output in outputs:
@@ -276,7 +276,11 @@ class OpenAIServingChat(OpenAIServing):
                     )
         if body.stream_options is not None and body.stream_options.include_usage:
             yield ChatCompletionChunk(
-                id=response_id, created=created_at, model=self.served_model_name, choices=[], usage=make_usage(latest)
+                id=response_id,
+                created=created_at,
+                model=self.response_model(body),
+                choices=[],
+                usage=make_usage(latest),
             )
 
     def _logprobs(

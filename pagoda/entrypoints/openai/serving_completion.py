@@ -95,7 +95,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(
             id=response_id,
             created=created(),
-            model=self.served_model_name,
+            model=self.response_model(body),
             choices=choices,
             usage=make_usage(dict(enumerate(finals))),
         )
@@ -145,11 +145,15 @@ class OpenAIServingCompletion(OpenAIServing):
                     stop_reason=delta.stop_reason if delta is not None else None,
                 )
                 yield CompletionResponse(
-                    id=response_id, created=created_at, model=self.served_model_name, choices=[choice]
+                    id=response_id, created=created_at, model=self.response_model(body), choices=[choice]
                 )
         if body.stream_options is not None and body.stream_options.include_usage:
             yield CompletionResponse(
-                id=response_id, created=created_at, model=self.served_model_name, choices=[], usage=make_usage(latest)
+                id=response_id,
+                created=created_at,
+                model=self.response_model(body),
+                choices=[],
+                usage=make_usage(latest),
             )
 
     def _echo(self, body: CompletionRequest, output: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
