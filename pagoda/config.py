@@ -175,6 +175,14 @@ class CacheConfig:
     # "auto": K/V in the model dtype; "fp8": e4m3 with per-tensor scales (the checkpoint's
     # k_scale/v_scale, else 1), half the bytes per token.
     kv_cache_dtype: str = "auto"
+    # CPU offload (pagoda/kv_transfer/offload): GiB of (pinned) host memory that keeps blocks the
+    # device prefix cache evicts, loaded back on a later hit instead of recomputed; 0: off.
+    kv_offload_gib: float = 0.0
+    # With offload: also copy every cached block of a request when it ends (its blocks are held
+    # until copied), so an eviction later finds it on the host already.
+    kv_offload_save_on_finish: bool = False
+    # Seconds a request may wait for its KV to load before it recomputes instead.
+    kv_load_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -185,6 +193,12 @@ class CacheConfig:
             raise ConfigError(f"num_gpu_blocks must be >= 2 (one is the null block), got {self.num_gpu_blocks}")
         if self.cpu_kv_cache_gib <= 0:
             raise ConfigError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if not 0 <= self.kv_offload_gib < float("inf"):
+            raise ConfigError(f"kv_offload_gib must be >= 0 (0: no CPU offload), got {self.kv_offload_gib}")
+        if not self.kv_load_timeout_s > 0:
+            raise ConfigError(f"kv_load_timeout_s must be > 0, got {self.kv_load_timeout_s}")
+        if self.kv_offload_gib and not self.enable_prefix_caching:
+            raise ConfigError("kv_offload_gib needs prefix caching (the host pool is keyed by its block hashes)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"

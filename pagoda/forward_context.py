@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagoda.attention.metadata import AttentionMetadata
+    from pagoda.worker.kv_connector.base import KVConnector
 
 
 @dataclass(frozen=True)
@@ -22,3 +23,6 @@ class ForwardContext:
     attn_metadata: dict[str, AttentionMetadata]
     # Layer name -> its view of the KV cache (fixed once the cache is allocated).
     kv_caches: dict[str, torch.Tensor]
+    # A layer-wise KV connector, in eager steps that carry its jobs: each attention layer waits
+    # for its load before and hands it what it wrote after (None otherwise, and in graphs).
+    kv_connector: KVConnector | None = None

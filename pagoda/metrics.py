@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagoda.kv_transfer.interface import KVTransferStats
 from pagoda.outputs import RequestOutput, SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -101,6 +102,30 @@ class ServerMetrics:
             ["position"],
             registry=registry,
         )
+        self.kv_offload_hit_tokens = Counter(
+            "pagoda:kv_offload_hit_tokens",
+            "Prompt tokens whose KV was loaded from the host pool (CPU offload) instead of recomputed.",
+            registry=registry,
+        )
+        self.kv_transfer_bytes = Counter(
+            "pagoda:kv_transfer_bytes",
+            "KV bytes moved by the KV connector, by direction (load: into the device cache; save: out of it).",
+            ["direction"],
+            registry=registry,
+        )
+        self.kv_transfers = Counter(
+            "pagoda:kv_transfers", "KV connector transfer jobs completed, by direction.", ["direction"], registry=registry
+        )
+        self.kv_load_seconds = Counter(
+            "pagoda:kv_load_seconds",
+            "Time KV loads took on the copy stream, summed (over pagoda:kv_transfers{direction=load}: the mean).",
+            registry=registry,
+        )
+        self.kv_transfer_failures = Counter(
+            "pagoda:kv_transfer_failures",
+            "KV loads and saves that failed (a failed load's request recomputes).",
+            registry=registry,
+        )
         self._last_stats: SchedulerStats | None = None
 
     def observe_output(self, times: RequestTimes, output: RequestOutput, now: float) -> None:
@@ -144,7 +169,19 @@ class ServerMetrics:
             self.spec_mean_accepted_length.set(spec.mean_accepted_length)
             for position, rate in enumerate(spec.per_position_acceptance):
                 self.spec_position_acceptance.labels(position=str(position)).set(rate)
+        if stats.kv_transfer is not None:
+            self._observe_kv_transfer(stats.kv_transfer, last.kv_transfer if last is not None else None)
         self._last_stats = stats
+
+    def _observe_kv_transfer(self, now: KVTransferStats, last: KVTransferStats | None) -> None:
+        last = last or KVTransferStats()
+        self.kv_offload_hit_tokens.inc(now.hit_tokens - last.hit_tokens)
+        self.kv_transfer_bytes.labels(direction="load").inc(now.load_bytes - last.load_bytes)
+        self.kv_transfer_bytes.labels(direction="save").inc(now.save_bytes - last.save_bytes)
+        self.kv_transfers.labels(direction="load").inc(now.num_loads - last.num_loads)
+        self.kv_transfers.labels(direction="save").inc(now.num_saves - last.num_saves)
+        self.kv_load_seconds.inc(now.load_seconds - last.load_seconds)
+        self.kv_transfer_failures.inc(now.num_failed_transfers - last.num_failed_transfers)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagoda.kv_transfer.interface import KVConnectorOutput, KVTransferStats
 from pagoda.spec_decode.stats import SpecDecodingStats
 
 
@@ -28,6 +29,8 @@ class RequestStatus(enum.IntEnum):
     see (`EngineCore.finish_requests`: a stop string, a failed output)."""
 
     WAITING = enum.auto()
+    # Admitted with blocks whose KV a connector is loading; runs once the load is done.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Every status after PREEMPTED is a finished one.
@@ -65,6 +68,8 @@ class SchedulerStats:
     num_preemptions: int
     # Speculative decoding's acceptance since start; None when speculation is off.
     spec_decoding: SpecDecodingStats | None = None
+    # The KV connector's transfers since start (CPU offload hits, bytes, time); None without one.
+    kv_transfer: KVTransferStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -146,6 +151,8 @@ class ModelRunnerOutput:
     # Speculative decoding with a draft model: per batch row, the drafts proposed after this
     # step's tokens (for the next step to verify); None when the runner proposes nothing.
     draft_token_ids: list[list[int]] | None = None
+    # The KV connector's report of transfers finished since the last step (None: nothing new).
+    kv_connector_output: KVConnectorOutput | None = None
 
     def token_logprobs(self, index: int, num_tokens: int, num_top: int) -> LogprobsArrays | None:
         """The logprobs of batch row `index`'s first `num_tokens` tokens, with `num_top` top columns."""

@@ -46,11 +46,18 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]."""
         num_tokens = q.shape[0]
+        connector = context.kv_connector
+        if connector is not None:
+            connector.wait_for_layer_load(self.layer_name)
+        kv_cache = context.kv_caches[self.layer_name]
+        metadata = context.attn_metadata[self.layer_name]
         out = self.impl.forward(
             q.view(num_tokens, self.num_heads, self.head_size),
             k.view(num_tokens, self.num_kv_heads, self.head_size),
             v.view(num_tokens, self.num_kv_heads, self.head_size),
-            context.kv_caches[self.layer_name],
-            context.attn_metadata[self.layer_name],
+            kv_cache,
+            metadata,
         )
+        if connector is not None:
+            connector.save_kv_layer(self.layer_name, kv_cache, metadata)
         return out.reshape(num_tokens, self.num_heads * self.head_size)

@@ -139,6 +139,11 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         )
     lora_config = resolve_lora_config(lora_kwargs, model_config)
     cache_config = CacheConfig(**split["cache_config"])
+    if cache_config.kv_offload_gib and parallel_config.world_size > 1:
+        raise ConfigError(
+            f"kv_offload_gib runs on one rank: tensor_parallel_size x pipeline_parallel_size must be 1, "
+            f"got {parallel_config.world_size}"
+        )
     check_kv_cache_dtype(cache_config.kv_cache_dtype, torch.device(device_config.device))
     return EngineConfig(
         model_config=model_config,

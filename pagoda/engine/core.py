@@ -103,8 +103,14 @@ class EngineCore:
             self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
         ):
             scheduler_output = self.scheduler.schedule()
-            # An empty schedule still travels when it tells the workers to drop requests.
-            if not scheduler_output.is_empty or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+            # An empty schedule still travels when it tells the workers to drop requests or to
+            # move (or report) KV.
+            if (
+                not scheduler_output.is_empty
+                or scheduler_output.finished_req_ids
+                or scheduler_output.preempted_req_ids
+                or scheduler_output.kv_connector_metadata is not None
+            ):
                 self.batch_queue.append((scheduler_output, self.executor.execute_model(scheduler_output)))
                 if len(self.batch_queue) < self.batch_queue_size:
                     return failed  # fill the queue before waiting on its oldest batch

@@ -82,6 +82,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--disable-cascade-attn", action="store_true", help="never split attention over shared prefixes (cascade)"
     )
+    engine.add_argument(
+        "--kv-offload-gib",
+        type=float,
+        default=None,
+        help="GiB of pinned host memory keeping KV blocks the device prefix cache evicts, loaded back on a "
+        "later hit instead of recomputed (default: 0, off)",
+    )
+    engine.add_argument(
+        "--kv-offload-save-on-finish",
+        action="store_true",
+        help="with --kv-offload-gib: also copy a request's cached blocks to the host when it ends",
+    )
     engine.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests draw from it)")
     engine.add_argument(
         "--speculative-config",
@@ -124,6 +136,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.enable_lora:
         kwargs["enable_lora"] = True
+    if args.kv_offload_save_on_finish:
+        kwargs["kv_offload_save_on_finish"] = True
     for name in (
         "tokenizer",
         "max_model_len",
@@ -140,6 +154,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_loras",
         "max_lora_rank",
         "max_cpu_loras",
+        "kv_offload_gib",
     ):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)

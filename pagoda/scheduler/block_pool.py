@@ -16,7 +16,7 @@ is evicted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 BlockHash = bytes
@@ -99,6 +99,9 @@ class BlockPool:
         self._free_queue = FreeBlockQueue(self.blocks[NULL_BLOCK_ID + 1 :])
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self._freed_block_ids: list[int] = []
+        # Told (block id, hash) of each cached block evicted for reuse, while its content is still
+        # there for this step (a KV connector saves it).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -196,6 +199,8 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
+        if self.on_evict is not None:
+            self.on_evict(block.block_id, block.block_hash)
         del self._cached[block.block_hash]
         block.block_hash = None
         self._freed_block_ids.append(block.block_id)

@@ -192,6 +192,23 @@ class KVCacheManager:
         for manager in self.managers:
             manager.free(request.request_id)
 
+    def detach(self, request: Request) -> GroupBlocks:
+        """Take the request's blocks away from it without freeing them (a transfer still uses
+        them); `free_detached` returns them to the pool later."""
+        detached = []
+        for manager in self.managers:
+            detached.append(manager.req_to_blocks.pop(request.request_id, []))
+            manager.num_cached_blocks.pop(request.request_id, None)
+        return tuple(detached)
+
+    def free_detached(self, blocks: GroupBlocks) -> None:
+        for group_blocks in blocks:
+            self.block_pool.free_blocks(reversed(group_blocks))
+
+    def num_cached_blocks(self, request: Request) -> int:
+        """Leading blocks of the request's first group registered in the prefix cache."""
+        return self.managers[0].num_cached_blocks.get(request.request_id, 0)
+
     def get_block_ids(self, request: Request) -> BlockIds:
         """The request's block ids per group (null blocks where a window let blocks go)."""
         return tuple(manager.block_ids(request.request_id) for manager in self.managers)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.kv_transfer.interface import KVConnectorMetadata
 from pagoda.lora.request import LoRARequest
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
@@ -68,6 +69,8 @@ class SchedulerOutput:
     # Requests preempted since the last step: the runner drops them from the batch but may
     # keep nothing else, since they come back with their full history.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # The KV connector's jobs for this step (None: no connector, or nothing to move or wait for).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -34,6 +34,10 @@ Pooling requests (embeddings) are scheduled like prefills within the token budge
 with their vector in the step that completes their prompt. With `whole_prompt_pooling` (mean
 or CLS pooling, encoders: see pagoda/pooling) a prompt runs whole in one step and reads no
 prefix cache; last-token pooling chunks and hits the cache like any prompt.
+
+A KV connector (CPU offload: `kv_offload_gib`) may supply tokens past the prefix-cache hits: the
+request then waits for their load outside the queues (see `RemoteKV`), and each step carries
+the connector's jobs in `kv_connector_metadata`.
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ from collections.abc import Iterable
 
 from pagoda.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagoda.kv_cache_interface import KVCacheConfig
+from pagoda.kv_transfer.factory import make_scheduler_connector
 from pagoda.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput, RequestStatus, SchedulerStats
 from pagoda.scheduler.kv_cache_manager import KVCacheManager
 from pagoda.scheduler.output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
+from pagoda.scheduler.remote_kv import RemoteKV
 from pagoda.scheduler.request import Request
 from pagoda.spec_decode.ngram import NgramProposer
 from pagoda.spec_decode.stats import SpecDecodingStats
@@ -85,6 +91,10 @@ class Scheduler:
         self.whole_prompt_pooling = whole_prompt_pooling
         self.max_loras = max_loras
         self.kv_cache_manager = KVCacheManager(kv_cache_config, cache_config.enable_prefix_caching)
+        connector = make_scheduler_connector(cache_config, self.kv_cache_manager)
+        self.remote_kv = (
+            RemoteKV(connector, self.kv_cache_manager, cache_config.kv_load_timeout_s) if connector is not None else None
+        )
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -115,7 +125,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; refuse (ValueError) one that could never run."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or (self.remote_kv and request.request_id in self.remote_kv.held):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise ValueError("prompt_token_ids must not be empty")
@@ -162,6 +172,9 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                assert self.remote_kv is not None
+                self.remote_kv.abandon(request)
             else:
                 self.waiting.remove(request)
             self._release(request, status)
@@ -170,8 +183,9 @@ class Scheduler:
         return bool(self.requests)
 
     def has_finished_requests(self) -> bool:
-        """True while ended requests still have to be reported to the runner by a schedule()."""
-        return bool(self._finished_req_ids)
+        """True while ended requests still have to be reported to the runner by a schedule(), or
+        the KV connector has transfers to report (blocks held, saves in flight)."""
+        return bool(self._finished_req_ids) or bool(self.remote_kv and self.remote_kv.busy)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -197,6 +211,8 @@ class Scheduler:
 
         spec_tokens: dict[str, list[int]] = {}
         proposals = self._propose() if self.num_speculative_tokens else {}
+        if self.remote_kv is not None:
+            self.waiting.extendleft(reversed(self.remote_kv.expire()))
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -259,7 +275,21 @@ class Scheduler:
             # Prompt logprobs need every prompt position computed, so such a prompt reads no cache.
             needs_whole_prompt = request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens
             one_pass = self.whole_prompt_pooling and request.pooling_params is not None
-            hit_blocks, num_hit_tokens = ([], 0) if needs_whole_prompt or one_pass else kv.get_computed_blocks(request)
+            # A request back from a connector's load holds its blocks and computed tokens already.
+            loaded = request.num_computed_tokens > 0
+            if loaded:
+                hit_blocks, num_hit_tokens = None, request.num_computed_tokens
+            elif needs_whole_prompt or one_pass:
+                hit_blocks, num_hit_tokens = ([], 0)
+            else:
+                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+                if self.remote_kv is not None:
+                    started = self.remote_kv.start_load(request, hit_blocks, num_hit_tokens)
+                    if started is False:
+                        break
+                    if started:
+                        del self.waiting[position]
+                        continue
             num_new = request.num_tokens - num_hit_tokens
             first_block = num_hit_tokens // kv.hash_block_size
             hashes = request.block_hashes
@@ -274,6 +304,9 @@ class Scheduler:
             if kv.allocate_slots(request, num_new + lookahead, hit_blocks) is None and (
                 not lookahead or kv.allocate_slots(request, num_new, hit_blocks) is None
             ):
+                if loaded and not self.running:  # nothing will free blocks: let its blocks go too
+                    kv.free(request)
+                    request.num_computed_tokens = 0
                 break
             del self.waiting[position]
             self.running.append(request)
@@ -309,7 +342,7 @@ class Scheduler:
                 request.num_pending_tokens += 1  # the step reaches the last known token: it samples
 
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
@@ -319,12 +352,17 @@ class Scheduler:
             freed_block_ids=kv.take_freed_block_ids(),
             preempted_req_ids=preempted_req_ids,
         )
+        if self.remote_kv is not None:
+            output.kv_connector_metadata = self.remote_kv.connector.build_connector_meta(output)
+        return output
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, check stops, cache computed blocks, free finished requests."""
         kv = self.kv_cache_manager
+        if self.remote_kv is not None and model_runner_output.kv_connector_output is not None:
+            self.waiting.extendleft(reversed(self.remote_kv.update(model_runner_output.kv_connector_output)))
         computed_before = _num_computed_before(scheduler_output)
         outputs: list[EngineCoreOutput] = []
         stopped: list[tuple[Request, RequestStatus]] = []
@@ -399,10 +437,13 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
+            kv_transfer=self.remote_kv.connector.stats.copy() if self.remote_kv is not None else None,
         )
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
+        if self.remote_kv is not None:
+            self.remote_kv.connector.reset()
 
     def check_idle(self) -> None:
         """Raise AssertionError unless no request state is left and the KV pool is whole.
@@ -420,6 +461,8 @@ class Scheduler:
         left = {name: ids[:16] for name, ids in leftovers.items() if ids}
         if left:
             raise AssertionError(f"scheduler not idle: {left}")
+        if self.remote_kv is not None:
+            self.remote_kv.check_idle()
         self.kv_cache_manager.check_idle()
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -563,7 +606,10 @@ class Scheduler:
     def _release(self, request: Request, status: RequestStatus) -> None:
         """Finish a request already taken out of its queue: free its blocks, report its id."""
         request.status = status
-        self.kv_cache_manager.free(request)
+        if self.remote_kv is not None:
+            self.remote_kv.release(request)
+        else:
+            self.kv_cache_manager.free(request)
         if self.proposer is not None:
             self.proposer.remove(request.request_id)
         del self.requests[request.request_id]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pagoda.kv_transfer.interface import KVConnectorOutput
 from pagoda.outputs import AsyncModelRunnerOutput, LogprobsArrays, ModelRunnerOutput
 from pagoda.sample.logprobs import LogprobsTensors
 
@@ -50,6 +51,8 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         self._prompt_logprobs = prompt_logprobs
         self._on_ready = on_ready
         self._output: ModelRunnerOutput | None = None
+        # The KV connector's report of this step, passed on with the tokens.
+        self.kv_connector_output: KVConnectorOutput | None = None
         self._copy_done: torch.cuda.Event | None = None
         tensors = [sampled_token_ids]
         if logprobs is not None:
@@ -120,4 +123,5 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             logprobs_start=logprobs_start,
             prompt_logprobs=self._prompt_logprobs,
             draft_token_ids=draft_token_ids,
+            kv_connector_output=self.kv_connector_output,
         )

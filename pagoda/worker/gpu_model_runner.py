@@ -49,6 +49,7 @@ from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
 from pagoda.worker.cuda_graph import BatchDescriptor, CudaGraphManager, CUDAGraphMode, default_capture_sizes
 from pagoda.worker.input_batch import CachedRequestState, InputBatch
 from pagoda.worker.kv_connector.base import KVConnector
+from pagoda.worker.kv_connector.factory import make_worker_connector
 from pagoda.worker.prompt_logprobs import compute_prompt_logprobs, empty_prompt_logprobs, scored_positions
 from pagoda.worker.sampling_batch import OFF
 from pagoda.worker.tagged_memory import TaggedMemoryPool
@@ -278,6 +279,8 @@ class GPUModelRunner:
         # The groups the executor's layout will have too (it groups the same specs); one block
         # for now, so the profile run has a cache to write.
         self._init_kv_cache_groups(get_kv_cache_config(self.get_kv_cache_spec(), 0, num_blocks=1))
+        # Before the profile run, so that its device buffers (offload staging) count in the peak.
+        self.kv_connector = make_worker_connector(self.config, self.device, self.kv_cache_config)
 
     def _attention_layers(self) -> list[Attention]:
         assert self.model is not None
@@ -345,6 +348,7 @@ class GPUModelRunner:
         self.kv_caches = {}  # drop the profile's one-block cache before allocating the real one
         self.kv_cache_config = kv_cache_config
         self.kv_caches = self._allocate_kv_caches(kv_cache_config, self.memory_pool)
+        self.kv_connector.register_kv_caches(self.kv_caches, kv_cache_config)
 
     def _allocate_kv_caches(
         self, kv_cache_config: KVCacheConfig, memory_pool: TaggedMemoryPool | None
@@ -840,7 +844,8 @@ class GPUModelRunner:
         size above it; a batch larger than every graph runs eagerly, unpadded."""
         num_tokens = scheduler_output.total_num_scheduled_tokens
         num_reqs = len(scheduler_output.num_scheduled_tokens)
-        if self.cudagraph_manager is not None:
+        layerwise = self.kv_connector.uses_layerwise_hooks and scheduler_output.kv_connector_metadata is not None
+        if self.cudagraph_manager is not None and not layerwise:
             key = self.cudagraph_manager.descriptor_for(num_tokens, uniform_decode=num_tokens == num_reqs)
             if key is not None:
                 return BatchExecution(CUDAGraphMode.FULL, key, key.num_tokens, self._graph_rows(key.num_tokens))
@@ -1127,13 +1132,15 @@ class GPUModelRunner:
         A pipeline stage after the first starts from `intermediate_tensors` (received into
         `intermediate_tensors(num_input_tokens)`); a stage before the last returns the tensors
         for the next stage and samples nothing."""
+        # First: a save of blocks this step reuses must be queued before the block zeroer runs.
+        self.kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
         if self.kv_connector.can_skip_forward(scheduler_output):
             return self.kv_connector.no_forward(scheduler_output)
         if self._inputs_sent is not None:
             self._inputs_sent.synchronize()
         post_model_execute_cb = self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput.empty()
+            return self.kv_connector.no_forward(scheduler_output)
         if self._needs_host_history():
             self._resolve_pending_output()
         # Padding is decided first, so the inputs are written straight at the graph's size.
@@ -1144,6 +1151,8 @@ class GPUModelRunner:
         if self._inputs_sent is not None:
             self._inputs_sent.record()
         self.kv_connector.pre_forward(scheduler_output)
+        if self.kv_connector.uses_layerwise_hooks and execution.cudagraph_mode == CUDAGraphMode.NONE:
+            inputs.forward_context = replace(inputs.forward_context, kv_connector=self.kv_connector)
         if execution.cudagraph_mode == CUDAGraphMode.FULL:
             assert self.cudagraph_manager is not None and execution.batch_descriptor is not None
             hidden_states = self.cudagraph_manager.replay(replace(execution.batch_descriptor, cascade=inputs.cascade))
@@ -1153,7 +1162,7 @@ class GPUModelRunner:
             return hidden_states
         self.kv_connector.post_forward(scheduler_output, hidden_states)
         if self.pooler is not None:
-            return pooling_output(
+            pooled = pooling_output(
                 self.pooler,
                 hidden_states,
                 self.input_batch,
@@ -1162,6 +1171,8 @@ class GPUModelRunner:
                 inputs.sample_rows,
                 self.model_config.pooling_needs_whole_prompt,
             )
+            pooled.kv_connector_output = self.kv_connector.get_finished()
+            return pooled
         self._fill_grammar_bitmask(inputs)
         sampler_output = self._sample(hidden_states, inputs)
         drafts = None
@@ -1169,6 +1180,7 @@ class GPUModelRunner:
             token_ids = sampler_output.token_ids if sampler_output is not None else None
             drafts = self.drafter.propose(inputs, hidden_states, token_ids, inputs.sampling_metadata)
         output = self._bookkeeping_sync(inputs, sampler_output, drafts)
+        output.kv_connector_output = self.kv_connector.get_finished()
         if post_model_execute_cb is not None:
             post_model_execute_cb()
         if not self.async_scheduling and isinstance(output, AsyncGPUModelRunnerOutput):

@@ -194,6 +194,7 @@ class Worker:
         assert runner is not None
         assert not runner.requests, f"runner still holds {list(runner.requests)}"
         assert runner.input_batch.num_reqs == 0, "runner batch not empty"
+        runner.kv_connector.check_idle()
 
     # ---- sleep mode ------------------------------------------------------------------------
 

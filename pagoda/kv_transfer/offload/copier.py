@@ -1,0 +1,98 @@
+"""`BlockCopier`: whole KV blocks between the device cache and a block-major host pool.
+
+The device cache is one buffer per `KVCacheTensor`, laid out [2 (K, V), num_blocks, page/2]
+bytes: a block is 2 x num_tensors scattered pieces (64 KiB each at the Llama-3.1-8B shape).
+The host pool is [num_host_blocks, num_tensors, 2, page/2]: a block is one contiguous run of
+every layer's K and V (2 MiB there), so it crosses PCIe as one large copy. On CUDA a block
+is gathered on the device into a staging buffer (device-to-device, at HBM bandwidth) and the
+staging rows go to or from the host in runs of consecutive slots; on the CPU the host pool is
+addressed directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+# Device staging per direction: large enough for full-bandwidth copies, small next to the cache.
+STAGING_BYTES = 128 << 20
+
+
+def slot_runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(first slot, first index, length) of each run of consecutive slots."""
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            yield slots[start], start, i - start
+            start = i
+
+
+class BlockCopier:
+    def __init__(self, num_tensors: int, page_bytes: int, num_host_blocks: int, device: torch.device) -> None:
+        if page_bytes % 2:
+            raise ValueError(f"a KV page holds K and V halves, got {page_bytes} bytes")
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        self.block_shape = (num_tensors, 2, page_bytes // 2)
+        self.block_bytes = num_tensors * page_bytes
+        self.host = torch.empty((num_host_blocks, *self.block_shape), dtype=torch.uint8, pin_memory=self.on_cuda)
+        self.staging_blocks = max(1, min(num_host_blocks, STAGING_BYTES // self.block_bytes))
+        self._staging: dict[str, torch.Tensor] = {}
+        if self.on_cuda:
+            self._staging = {
+                kind: torch.empty((self.staging_blocks, *self.block_shape), dtype=torch.uint8, device=device)
+                for kind in ("save", "load")
+            }
+        self.caches: list[torch.Tensor] = []
+
+    def bind(self, caches: Sequence[torch.Tensor]) -> None:
+        """The device buffers, one per KV-cache tensor, each viewed as [2, num_blocks, page/2] bytes."""
+        shapes = {tuple(cache.shape[::2]) for cache in caches}
+        if len(caches) != self.block_shape[0] or shapes != {(2, self.block_shape[2])}:
+            raise ValueError(
+                f"KV caches {[tuple(c.shape) for c in caches]} do not match host blocks {self.block_shape}"
+            )
+        self.caches = list(caches)
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        """Device blocks to host slots: done now on the CPU, queued on the current stream on CUDA."""
+        if not self.on_cuda:
+            gathered = torch.stack([cache.index_select(1, self._ids(block_ids)) for cache in self.caches])
+            self.host.index_copy_(0, torch.tensor(slots, dtype=torch.long), gathered.permute(2, 0, 1, 3))
+            return
+        staging = self._staging["save"]
+        for first in range(0, len(block_ids), self.staging_blocks):
+            chunk = block_ids[first : first + self.staging_blocks]
+            ids = self._ids(chunk)
+            for t, cache in enumerate(self.caches):
+                staging[: len(chunk), t].copy_(cache.index_select(1, ids).transpose(0, 1))
+            for slot, index, length in slot_runs(slots[first : first + len(chunk)]):
+                self.host[slot : slot + length].copy_(staging[index : index + length], non_blocking=True)
+
+    def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Host slots to device blocks: done now on the CPU, queued on the current stream on CUDA."""
+        if not self.on_cuda:
+            source = self.host.index_select(0, torch.tensor(slots, dtype=torch.long))
+            ids = self._ids(block_ids)
+            for t, cache in enumerate(self.caches):
+                cache.index_copy_(1, ids, source[:, t].transpose(0, 1))
+            return
+        staging = self._staging["load"]
+        for first in range(0, len(block_ids), self.staging_blocks):
+            chunk = block_ids[first : first + self.staging_blocks]
+            for slot, index, length in slot_runs(slots[first : first + len(chunk)]):
+                staging[index : index + length].copy_(self.host[slot : slot + length], non_blocking=True)
+            ids = self._ids(chunk)
+            for t, cache in enumerate(self.caches):
+                cache.index_copy_(1, ids, staging[: len(chunk), t].transpose(0, 1))
+
+    def scribble(self, block_ids: Sequence[int]) -> None:
+        """Fill device blocks with 0xFF bytes (NaN in every float format): what a load that
+        broke off half way may leave, for the failure tests."""
+        ids = self._ids(block_ids)
+        for cache in self.caches:
+            cache.index_fill_(1, ids, 0xFF)

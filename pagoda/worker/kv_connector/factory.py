@@ -1,0 +1,26 @@
+"""The worker half of the engine's KV connector (see pagoda/kv_transfer/factory.py for the other)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.kv_cache_interface import KVCacheConfig
+from pagoda.kv_transfer.factory import num_host_blocks
+from pagoda.worker.kv_connector.base import KVConnector
+
+
+def make_worker_connector(config: EngineConfig, device: torch.device, kv_cache_config: KVCacheConfig) -> KVConnector:
+    """The worker half for a cache laid out like `kv_cache_config` (any block count)."""
+    cache_config = config.cache_config
+    if not cache_config.kv_offload_gib:
+        return KVConnector()
+    from pagoda.kv_transfer.offload.worker import OffloadingWorker
+
+    tensors = kv_cache_config.kv_cache_tensors
+    return OffloadingWorker(
+        num_host_blocks(cache_config, kv_cache_config),
+        len(tensors),
+        tensors[0].size_bytes // kv_cache_config.num_blocks,
+        device,
+    )
