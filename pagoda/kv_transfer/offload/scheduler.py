@@ -68,6 +68,8 @@ class OffloadingScheduler(KVConnectorScheduler):
         self._new_loads: list[BlockCopyJob] = []
         self._new_saves: list[BlockCopyJob] = []
         self._evicted: list[tuple[int, bytes]] = []
+        # Requests whose load the scheduler stopped waiting for: their tokens are recomputed.
+        self._abandoned: set[str] = set()
         self._stats = KVTransferStats()
 
     # ---- lookups and loads -----------------------------------------------------------------
@@ -171,9 +173,14 @@ class OffloadingScheduler(KVConnectorScheduler):
                 failed.add(job.req_id)
             else:
                 loaded.add(job.req_id)
-                self._stats.hit_tokens += len(job.keys) * self.block_size
+                if job.req_id not in self._abandoned:
+                    self._stats.hit_tokens += len(job.keys) * self.block_size
+            self._abandoned.discard(job.req_id)
         self._stats.add(output.stats)
         return TransferUpdate(frozenset(loaded), frozenset(failed), frozenset(released))
+
+    def request_load_abandoned(self, req_id: str) -> None:
+        self._abandoned.add(req_id)
 
     def has_pending_transfers(self) -> bool:
         return bool(self._loads or self._saves or self._new_loads or self._new_saves or self._evicted)
