@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 import pytest
+import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import ConfigError
@@ -74,21 +76,48 @@ def worker_connector(llm: LLM):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama3: str) -> tuple[list[list[int]], int]:
-    llm = make_llm(tiny_llama3, offload=False)
-    answers, reusable = chat(llm)
-    assert stats(llm).prefix_cache_hits < reusable / 2  # the pool is too small to keep the histories
-    return answers, reusable
+def reference(tiny_llama3: str) -> Callable[[str], tuple[list[list[int]], int]]:
+    """The chat's answers and reusable tokens with offload off, on `device` (computed once each)."""
+    cache: dict[str, tuple[list[list[int]], int]] = {}
+
+    def run(device: str) -> tuple[list[list[int]], int]:
+        if device not in cache:
+            llm = make_llm(tiny_llama3, offload=False, **TARGETS[device])
+            answers, reusable = chat(llm)
+            assert stats(llm).prefix_cache_hits < reusable / 2  # the pool is too small to keep the histories
+            cache[device] = answers, reusable
+            llm.shutdown()
+        return cache[device]
+
+    return run
+
+
+# Engine settings per device: float32 on both (the CUDA run uses the Triton attention backend).
+TARGETS = {"cpu": {}, "cuda": {"device": "cuda", "attention_backend": "triton"}}
 
 
 @pytest.mark.parametrize(
-    "async_scheduling, save_on_finish", [(False, False), (True, False), (False, True)], ids=["sync", "async", "finish"]
+    "device, async_scheduling, save_on_finish",
+    [
+        ("cpu", False, False),
+        ("cpu", True, False),
+        ("cpu", False, True),
+        pytest.param("cuda", True, False, marks=pytest.mark.gpu),
+        pytest.param("cuda", False, True, marks=pytest.mark.gpu),
+    ],
+    ids=["sync", "async", "finish", "cuda-async", "cuda-finish"],
 )
-def test_multi_turn_chat_hits_the_host_pool(tiny_llama3: str, reference, async_scheduling, save_on_finish) -> None:
-    llm = make_llm(tiny_llama3, async_scheduling=async_scheduling, kv_offload_save_on_finish=save_on_finish)
+def test_multi_turn_chat_hits_the_host_pool(
+    tiny_llama3: str, reference, device: str, async_scheduling: bool, save_on_finish: bool
+) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm = make_llm(
+        tiny_llama3, async_scheduling=async_scheduling, kv_offload_save_on_finish=save_on_finish, **TARGETS[device]
+    )
     assert block_bytes(llm.llm_engine.engine_core.executor.worker.model_runner.kv_cache_config) == 2048
     answers, reusable = chat(llm)
-    assert answers == reference[0]
+    assert (answers, reusable) == reference(device)
     figures = stats(llm)
     transfer = figures.kv_transfer
     assert transfer.hit_tokens > reusable / 2  # most of the history comes from the host
@@ -104,9 +133,15 @@ def test_multi_turn_chat_hits_the_host_pool(tiny_llama3: str, reference, async_s
     assert f'pagoda:kv_transfer_bytes_total{{direction="load"}} {float(transfer.load_bytes)}' in text
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama3: str) -> LLM:
-    return make_llm(tiny_llama3)
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def llm(tiny_llama3: str, request) -> LLM:
+    """One engine with offload for the scenario tests below, on the CPU (and with -m gpu on CUDA,
+    where the injected load delay is a device sleep on the load stream)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    engine = make_llm(tiny_llama3, **TARGETS[request.param])
+    yield engine
+    engine.shutdown()
 
 
 def evict_to_host(llm: LLM, prompt: list[int], salt: str | None = None) -> list[int]:

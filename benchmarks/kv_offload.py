@@ -1,0 +1,187 @@
+"""CPU offload of the KV cache (#17): multi-turn chat TTFT with offload off and on, and the
+host-to-device restore bandwidth, in one run.
+
+The workload: `--conversations` chats of `--turns` turns; each turn adds `--turn-tokens`
+random user tokens to the chat's history and answers `--answer-tokens` greedy tokens. A turn
+of every chat is submitted at once, the next turn when all have answered. The device pool is
+sized to hold `--pool-fraction` of all the chats' final contexts, so most of each history is
+evicted between its turns: without offload it is recomputed, with offload it is loaded back
+from the pinned host pool. TTFT is from a request's submission to its first token, over
+turns 2 and later (the first turn has nothing to reuse).
+
+Restore bandwidth: the engine's own loads (bytes over their time on the load stream), and
+`BlockCopier.load` alone over `--copier-blocks` blocks (timed with CUDA events, best of 5),
+with its save counterpart.
+
+    python benchmarks/kv_offload.py                      # Llama-3.1-8B shape, H200: the issue's figures
+    python benchmarks/kv_offload.py --model DIR --device cpu --conversations 4 --turns 3 \
+        --turn-tokens 32 --answer-tokens 2 --kv-offload-gib 0.01 --copier-blocks 16   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.kv_transfer.factory import block_bytes
+from pagoda.kv_transfer.offload.copier import BlockCopier
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--load-format", default=None, help="default: dummy for a dummy shape name")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--turn-tokens", type=int, default=1024)
+    parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--pool-fraction", type=float, default=0.2)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-offload-gib", type=float, default=72.0)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--copier-blocks", type=int, default=512, help="blocks per isolated copier timing")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def engine_settings(args: argparse.Namespace) -> dict:
+    context = args.turns * (args.turn_tokens + args.answer_tokens)
+    total_tokens = args.conversations * context
+    num_blocks = max(int(args.pool_fraction * total_tokens) // args.block_size, context // args.block_size + 2)
+    load_format = args.load_format or ("dummy" if "/" not in args.model else "auto")
+    return dict(
+        model=args.model,
+        load_format=load_format,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_gpu_blocks=num_blocks,
+        max_model_len=context + args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
+
+
+def run_chats(llm: LLM, args: argparse.Namespace) -> tuple[list[float], list[list[int]], float]:
+    """TTFT of every request after the first turn, every answer, and the wall time."""
+    engine = llm.llm_engine
+    rng = random.Random(args.seed)
+    vocab = min(engine.engine_core.config.model_config.vocab_size, 30000)
+    histories = [[rng.randrange(10, vocab) for _ in range(args.turn_tokens)] for _ in range(args.conversations)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens, ignore_eos=True)
+    ttfts, answers = [], []
+    started = time.perf_counter()
+    for turn in range(args.turns):
+        submitted = {}
+        for c, history in enumerate(histories):
+            req_id = engine.add_request(history, params, request_id=f"t{turn}-c{c}")
+            submitted[req_id] = (c, time.perf_counter())
+        first_token: dict[str, float] = {}
+        finished: dict[str, list[int]] = {}
+        while len(finished) < len(submitted):
+            for output in engine.step():
+                now = time.perf_counter()
+                if output.outputs[0].token_ids and output.request_id not in first_token:
+                    first_token[output.request_id] = now
+                if output.finished:
+                    finished[output.request_id] = list(output.outputs[0].token_ids)
+        for req_id, (c, submitted_at) in submitted.items():
+            answer = finished[req_id]
+            answers.append(answer)
+            if turn:
+                ttfts.append(first_token[req_id] - submitted_at)
+            histories[c] = histories[c] + answer + [rng.randrange(10, vocab) for _ in range(args.turn_tokens)]
+        print(f"  turn {turn + 1}: {time.perf_counter() - started:.1f} s", flush=True)
+    return ttfts, answers, time.perf_counter() - started
+
+
+def copier_bandwidth(llm: LLM, args: argparse.Namespace) -> tuple[float, float]:
+    """GB/s of BlockCopier.load and .save over `--copier-blocks` blocks of the engine's cache."""
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    copier: BlockCopier = runner.kv_connector.copier
+    blocks = min(args.copier_blocks, copier.host.shape[0], runner.kv_cache_config.num_blocks - 1)
+    slots = list(range(blocks))
+    block_ids = list(range(1, blocks + 1))
+    figures = {}
+    for name, copy in (
+        ("load", lambda: copier.load(slots, block_ids)),
+        ("save", lambda: copier.save(block_ids, slots)),
+    ):
+        times = []
+        for _ in range(5):
+            if copier.on_cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                copy()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                begin = time.perf_counter()
+                copy()
+                times.append(time.perf_counter() - begin)
+        figures[name] = blocks * copier.block_bytes / min(times) / 1e9
+    return figures["load"], figures["save"]
+
+
+def free(llm: LLM) -> None:
+    llm.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    args = parse_args()
+    settings = engine_settings(args)
+    results = {}
+    answers = {}
+    for offload in (False, True):
+        extra = {"kv_offload_gib": args.kv_offload_gib} if offload else {}
+        llm = LLM(**settings, **extra)
+        config = llm.llm_engine.engine_core.executor.worker.model_runner.kv_cache_config
+        label = "offload on" if offload else "offload off"
+        print(
+            f"{label}: {config.num_blocks - 1} device blocks of {block_bytes(config) / 2**20:.2f} MiB "
+            f"({(config.num_blocks - 1) * args.block_size} tokens)",
+            flush=True,
+        )
+        ttfts, answers[offload], wall = run_chats(llm, args)
+        stats = llm.llm_engine.engine_core.scheduler.make_stats()
+        results[offload] = (statistics.median(ttfts), statistics.quantiles(ttfts, n=10)[-1], wall, stats)
+        if offload:
+            transfer = stats.kv_transfer
+            load_gbs = transfer.load_bytes / transfer.load_seconds / 1e9 if transfer.load_seconds else 0.0
+            copier_load, copier_save = copier_bandwidth(llm, args)
+            print(
+                f"  host hits {transfer.hit_tokens} tokens in {transfer.num_loads} loads, {transfer.load_bytes / 1e9:.2f} GB "
+                f"loaded at {load_gbs:.1f} GB/s (engine loads), {transfer.save_bytes / 1e9:.2f} GB saved; "
+                f"failures {transfer.num_failed_transfers}"
+            )
+            print(
+                f"  BlockCopier alone, {args.copier_blocks} blocks: load {copier_load:.1f} GB/s, save {copier_save:.1f} GB/s"
+            )
+        free(llm)
+    (off_p50, off_p90, off_wall, off_stats), (on_p50, on_p90, on_wall, on_stats) = results[False], results[True]
+    print(
+        f"TTFT p50: off {off_p50 * 1e3:.1f} ms, on {on_p50 * 1e3:.1f} ms ({off_p50 / on_p50:.2f}x lower); "
+        f"p90: off {off_p90 * 1e3:.1f} ms, on {on_p90 * 1e3:.1f} ms; wall: off {off_wall:.1f} s, on {on_wall:.1f} s"
+    )
+    print(
+        f"device prefix-cache hits: off {off_stats.prefix_cache_hits}, on {on_stats.prefix_cache_hits} tokens; "
+        f"greedy answers equal: {answers[False] == answers[True]}"
+    )
+
+
+if __name__ == "__main__":
+    main()
