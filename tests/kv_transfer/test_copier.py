@@ -32,6 +32,7 @@ def test_round_trip(device: str, monkeypatch) -> None:
     monkeypatch.setattr("pagoda.kv_transfer.offload.copier.STAGING_BYTES", 2 * NUM_TENSORS * PAGE)
     device = torch.device(device)
     copier = BlockCopier(NUM_TENSORS, PAGE, num_host_blocks=8, device=device)
+    assert copier.host.is_pinned() == (device.type == "cuda")  # registered: copies are truly asynchronous
     data = caches(device)
     original = [cache.clone() for cache in data]
     copier.bind(data)

@@ -11,12 +11,28 @@ addressed directly.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
 
 # Device staging per direction: large enough for full-bandwidth copies, small next to the cache.
 STAGING_BYTES = 128 << 20
+
+
+def pinned_empty(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialized uint8 host tensor, page-locked with cudaHostRegister. torch's pinned
+    allocator rounds each allocation up to a power of two (a 72 GiB pool would ask for 128);
+    registering an ordinary allocation pins exactly its size."""
+    host = torch.empty(shape, dtype=torch.uint8)
+    error = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister of the {host.numel() / 2**30:.2f} GiB KV offload pool failed: {error}")
+    return host
+
+
+def _unregister(host: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
 
 def slot_runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -36,7 +52,13 @@ class BlockCopier:
         self.on_cuda = device.type == "cuda"
         self.block_shape = (num_tensors, 2, page_bytes // 2)
         self.block_bytes = num_tensors * page_bytes
-        self.host = torch.empty((num_host_blocks, *self.block_shape), dtype=torch.uint8, pin_memory=self.on_cuda)
+        shape = (num_host_blocks, *self.block_shape)
+        if self.on_cuda:
+            self.host = pinned_empty(shape)
+            # Holding the tensor, the finalizer unregisters its memory before it can be freed.
+            weakref.finalize(self, _unregister, self.host)
+        else:
+            self.host = torch.empty(shape, dtype=torch.uint8)
         self.staging_blocks = max(1, min(num_host_blocks, STAGING_BYTES // self.block_bytes))
         self._staging: dict[str, torch.Tensor] = {}
         if self.on_cuda:
