@@ -93,7 +93,9 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(kv_cache_config, cache_config.enable_prefix_caching)
         connector = make_scheduler_connector(cache_config, self.kv_cache_manager)
         self.remote_kv = (
-            RemoteKV(connector, self.kv_cache_manager, cache_config.kv_load_timeout_s) if connector is not None else None
+            RemoteKV(connector, self.kv_cache_manager, cache_config.kv_load_timeout_s)
+            if connector is not None
+            else None
         )
 
         self.requests: dict[str, Request] = {}
@@ -286,6 +288,7 @@ class Scheduler:
                 if self.remote_kv is not None:
                     started = self.remote_kv.start_load(request, hit_blocks, num_hit_tokens)
                     if started is False:
+                        self._unblock_waiting()
                         break
                     if started:
                         del self.waiting[position]
@@ -304,9 +307,7 @@ class Scheduler:
             if kv.allocate_slots(request, num_new + lookahead, hit_blocks) is None and (
                 not lookahead or kv.allocate_slots(request, num_new, hit_blocks) is None
             ):
-                if loaded and not self.running:  # nothing will free blocks: let its blocks go too
-                    kv.free(request)
-                    request.num_computed_tokens = 0
+                self._unblock_waiting()
                 break
             del self.waiting[position]
             self.running.append(request)
@@ -569,6 +570,17 @@ class Scheduler:
         return (
             request.max_tokens is not None and num_output >= request.max_tokens
         ) or request.num_tokens + num_extra_tokens >= self.max_model_len
+
+    def _unblock_waiting(self) -> None:
+        """A waiting request did not fit. With nothing running, nothing would ever free blocks
+        but the waiting requests back from a KV load, which hold theirs: they let them go (the
+        blocks stay in the prefix cache) and look them up again when their turn comes."""
+        if self.running or self.remote_kv is None:
+            return
+        for request in self.waiting:
+            if request.num_computed_tokens:
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = 0
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted_req_ids: set[str]) -> BlockIds | None:
         """Allocate for a running request, preempting from the tail of `running` until it fits.

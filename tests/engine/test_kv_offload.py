@@ -67,6 +67,29 @@ def chat(llm: LLM, seed: int = 0) -> tuple[list[list[int]], int]:
     return answers, reusable
 
 
+def batched_chat(llm: LLM, seed: int = 1) -> list[list[int]]:
+    """The same chat with every conversation's turn submitted at once: requests preempt each
+    other (the pool holds about one history) while others wait for loads."""
+    rng = random.Random(seed)
+    histories = [[rng.randrange(3, 250) for _ in range(TURN_TOKENS)] for _ in range(NUM_CONVERSATIONS)]
+    answers = []
+    for _ in range(NUM_TURNS):
+        outputs = llm.generate(histories, GREEDY, use_tqdm=False)
+        for c, output in enumerate(outputs):
+            tokens = output.outputs[0].token_ids
+            answers.append(tokens)
+            histories[c] = histories[c] + tokens + [rng.randrange(3, 250) for _ in range(TURN_TOKENS)]
+    return answers
+
+
+def test_batched_chat_with_preemption_matches_offload_off(tiny_llama3: str) -> None:
+    expected = batched_chat(make_llm(tiny_llama3, offload=False))
+    llm = make_llm(tiny_llama3, async_scheduling=True)
+    assert batched_chat(llm) == expected
+    figures = stats(llm)
+    assert figures.num_preemptions > 0 and figures.kv_transfer.hit_tokens > 0
+
+
 def stats(llm: LLM):
     return llm.llm_engine.engine_core.scheduler.make_stats()
 
