@@ -67,13 +67,13 @@ def chat(llm: LLM, seed: int = 0) -> tuple[list[list[int]], int]:
     return answers, reusable
 
 
-def batched_chat(llm: LLM, seed: int = 1) -> list[list[int]]:
+def batched_chat(llm: LLM, seed: int = 1, turns: int = 3) -> list[list[int]]:
     """The same chat with every conversation's turn submitted at once: requests preempt each
     other (the pool holds about one history) while others wait for loads."""
     rng = random.Random(seed)
     histories = [[rng.randrange(3, 250) for _ in range(TURN_TOKENS)] for _ in range(NUM_CONVERSATIONS)]
     answers = []
-    for _ in range(NUM_TURNS):
+    for _ in range(turns):
         outputs = llm.generate(histories, GREEDY, use_tqdm=False)
         for c, output in enumerate(outputs):
             tokens = output.outputs[0].token_ids
