@@ -114,7 +114,10 @@ class ServerMetrics:
             registry=registry,
         )
         self.kv_transfers = Counter(
-            "pagoda:kv_transfers", "KV connector transfer jobs completed, by direction.", ["direction"], registry=registry
+            "pagoda:kv_transfers",
+            "KV connector transfer jobs completed, by direction.",
+            ["direction"],
+            registry=registry,
         )
         self.kv_load_seconds = Counter(
             "pagoda:kv_load_seconds",
