@@ -34,6 +34,10 @@ TASKS = ("auto", "generate", "embed")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # HF model types of encoder-only models: they embed, and keep no KV cache.
 ENCODER_MODEL_TYPES = ("bert",)
+# Models without attention or positions (a recurrent state per request), whose length is not
+# capped by the model: their default max_model_len.
+ATTENTION_FREE_MODEL_TYPES = ("mamba2",)
+STATE_SPACE_MAX_MODEL_LEN = 131072
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,9 @@ class ModelConfig:
 
     @property
     def num_attention_heads(self) -> int:
-        return self.hf_config.num_attention_heads
+        """Query heads; an attention-free Mamba-2 model's SSM heads (what tensor parallelism would split)."""
+        heads = getattr(self.hf_config, "num_attention_heads", None)
+        return heads if heads is not None else self.hf_config.num_heads
 
     @property
     def num_kv_heads(self) -> int:
@@ -156,7 +162,12 @@ class ModelConfig:
 
     @property
     def derived_max_model_len(self) -> int:
-        return int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        """The model's position limit; an attention-free model (Mamba-2: no positions) has none,
+        so STATE_SPACE_MAX_MODEL_LEN."""
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if limit is None and getattr(self.hf_config, "model_type", None) in ATTENTION_FREE_MODEL_TYPES:
+            return STATE_SPACE_MAX_MODEL_LEN
+        return int(limit or 2048)
 
 
 @dataclass

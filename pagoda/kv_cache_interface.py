@@ -109,6 +109,44 @@ class EncoderOnlyAttentionSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """A state-space layer's recurrent state: per request one page holding its conv state
+    ([conv_dim, conv_kernel - 1], the last inputs of the causal conv) and SSM state ([heads,
+    head_dim, state_size]), both in `dtype`, whatever the request's length. So a request holds
+    exactly one block of the group; `block_size` only sets the hashing granularity.
+
+    `page_size_padded` (bytes, >= the state's) rounds the page up to a multiple of the
+    attention pages it shares the pool with (see `pad_state_pages`)."""
+
+    conv_shape: tuple[int, int]
+    ssm_shape: tuple[int, int, int]
+    dtype: torch.dtype
+    page_size_padded: int | None = None
+
+    @property
+    def num_elements(self) -> tuple[int, int]:
+        """Elements of (conv state, SSM state) in a page."""
+        return self.conv_shape[0] * self.conv_shape[1], self.ssm_shape[0] * self.ssm_shape[1] * self.ssm_shape[2]
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(self.num_elements) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size_padded or self.state_bytes
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, int, int]:
+        """[1, num_blocks, page elements]: block-major like an attention cache's dim 1, so the
+        block zeroer and the shared buffers treat it alike; the layer views its two states in it."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return (1, num_blocks, self.page_size_bytes // element)
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        return 1
+
+
+@dataclass(frozen=True)
 class KVCacheGroupSpec:
     """Layers that share a spec, and so a block table."""
 
@@ -152,6 +190,13 @@ class KVCacheConfig:
             if not spec.page_size_bytes:
                 lines.append(f"group {gid}: {type(spec).__name__}, {len(group.layer_names)} layers, no KV cache kept")
                 continue
+            if isinstance(spec, MambaSpec):
+                lines.append(
+                    f"group {gid}: MambaSpec, {len(group.layer_names)} layers ({', '.join(group.layer_names[:3])}"
+                    f"{', ...' if len(group.layer_names) > 3 else ''}), one {spec.state_bytes}-byte state per request, "
+                    f"up to {self.num_blocks - 1} requests"
+                )
+                continue
             window = f", window {spec.sliding_window}" if isinstance(spec, SlidingWindowSpec) else ""
             lines.append(
                 f"group {gid}: {type(spec).__name__}{window}, block size {spec.block_size}, "
@@ -160,6 +205,22 @@ class KVCacheConfig:
                 f"{(self.num_blocks - 1) * spec.block_size} tokens"
             )
         return lines
+
+
+def pad_state_pages(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """Round each state page (MambaSpec) up to a multiple of the largest attention page, so that
+    `unify_page_sizes` can scale the attention block size to it (a hybrid model's pool pages hold
+    one request's state of a Mamba layer or `k` blocks of an attention layer)."""
+    attention_pages = [spec.page_size_bytes for spec in specs.values() if not isinstance(spec, MambaSpec)]
+    if not attention_pages:
+        return specs
+    unit = max(attention_pages)
+    padded = {}
+    for name, spec in specs.items():
+        if isinstance(spec, MambaSpec):
+            spec = dataclasses.replace(spec, page_size_padded=-(spec.state_bytes // -unit) * unit)
+        padded[name] = spec
+    return padded
 
 
 def unify_page_sizes(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
@@ -208,7 +269,7 @@ def get_kv_cache_config(
     paged = {name: spec for name, spec in specs.items() if spec.page_size_bytes}
     if not paged:  # encoder-only: groups for the metadata, no buffer; the pool's one block is never taken
         return KVCacheConfig(num_blocks=2, kv_cache_tensors=(), kv_cache_groups=tuple(group_layers(specs)))
-    paged = unify_page_sizes(paged)
+    paged = unify_page_sizes(pad_state_pages(paged))
     specs = {**specs, **paged}
     groups = group_layers(specs)
     page_size = next(iter(paged.values())).page_size_bytes

@@ -23,6 +23,8 @@ _MODEL_CLASSES: dict[str, str] = {
     "Gemma2ForCausalLM": "pagoda.model.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "pagoda.model.models.gemma:Gemma3ForCausalLM",
     "BertModel": "pagoda.model.models.bert:BertModel",
+    "Mamba2ForCausalLM": "pagoda.model.models.mamba2:Mamba2ForCausalLM",
+    "BambaForCausalLM": "pagoda.model.models.bamba:BambaForCausalLM",
 }
 
 # For configs that name no architecture (saved from a bare config object): HF model_type -> name.
@@ -36,6 +38,8 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "bert": "BertModel",
+    "mamba2": "Mamba2ForCausalLM",
+    "bamba": "BambaForCausalLM",
 }
 
 

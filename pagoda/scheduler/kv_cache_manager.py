@@ -18,15 +18,18 @@ and a block is registered in the cache only once its tokens have been computed.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import struct
 from collections.abc import Sequence
 
-from pagoda.kv_cache_interface import KVCacheConfig
+from pagoda.kv_cache_interface import KVCacheConfig, MambaSpec
 from pagoda.scheduler.block_pool import BlockHash, BlockPool, KVCacheBlock
 from pagoda.scheduler.output import BlockIds
 from pagoda.scheduler.request import Request
 from pagoda.scheduler.single_type_kv_cache_manager import SingleTypeKVCacheManager, make_manager
+
+logger = logging.getLogger(__name__)
 
 # Parent hash of a request's first block.
 ROOT_BLOCK_HASH: BlockHash = hashlib.sha256(b"pagoda-prefix-cache-root").digest()
@@ -60,9 +63,31 @@ def block_extra_keys(request: Request) -> bytes:
     return b"".join(tag + struct.pack("<I", len(value)) + value for tag, value in keys)
 
 
+def prefix_caching_unsupported(kv_cache_config: KVCacheConfig) -> str | None:
+    """Why no prefix can hit in this layout, or None. A hit must resume every group, and a state
+    group keeps only the state after a request's latest token (no checkpoints at block
+    boundaries), so a model with one caches nothing."""
+    state_layers = [
+        name
+        for group in kv_cache_config.kv_cache_groups
+        if isinstance(group.kv_cache_spec, MambaSpec)
+        for name in group.layer_names
+    ]
+    if not state_layers:
+        return None
+    return (
+        f"{len(state_layers)} state-space layers ({state_layers[0]}, ...) keep one recurrent state per request, "
+        "with no checkpoint at block boundaries to resume a cached prefix from"
+    )
+
+
 class KVCacheManager:
     def __init__(self, kv_cache_config: KVCacheConfig, enable_caching: bool = True) -> None:
         self.kv_cache_config = kv_cache_config
+        reason = prefix_caching_unsupported(kv_cache_config)
+        if enable_caching and reason is not None:
+            logger.warning("prefix caching is off: %s", reason)
+            enable_caching = False
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(kv_cache_config.num_blocks)
         block_sizes = kv_cache_config.block_sizes
@@ -173,13 +198,9 @@ class KVCacheManager:
         """True when a running request's blocks already hold `num_tokens` tokens in every group
         and no group lets blocks go as tokens advance: allocating would change nothing (the
         common decode step, whose current block still has room)."""
-        for manager in self.managers:
-            if manager.frees_skipped_blocks:
-                return False
-            blocks = manager.req_to_blocks.get(req_id)
-            if blocks is None or len(blocks) * manager.block_size < num_tokens:
-                return False
-        return True
+        return all(
+            not manager.frees_skipped_blocks and manager.holds_tokens(req_id, num_tokens) for manager in self.managers
+        )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that `num_computed_tokens` computed tokens fill."""

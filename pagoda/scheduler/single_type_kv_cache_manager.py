@@ -6,6 +6,7 @@ before the window of the request's next token goes back to the pool and its plac
 request's list becomes the null block (indices stay aligned with token positions). Both look
 up prefix-cache hits in their own group's part of the shared pool (cache keys carry the
 group id), and only blocks whose tokens have all been computed are registered.
+`MambaManager` keeps one block per request, its recurrent state, however long it grows.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from pagoda.kv_cache_interface import EncoderOnlyAttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagoda.kv_cache_interface import (
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from pagoda.scheduler.block_pool import BlockHash, BlockPool, KVCacheBlock
 
 
@@ -103,6 +110,11 @@ class SingleTypeKVCacheManager:
             return
         del self.num_cached_blocks[req_id]
         self.block_pool.free_blocks(reversed(blocks))
+
+    def holds_tokens(self, req_id: str, num_tokens: int) -> bool:
+        """Whether the request's blocks already have room for `num_tokens` tokens."""
+        blocks = self.req_to_blocks.get(req_id)
+        return blocks is not None and len(blocks) * self.block_size >= num_tokens
 
     def block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
@@ -195,11 +207,41 @@ class EncoderOnlyManager(SingleTypeKVCacheManager):
         return []
 
 
+class MambaManager(SingleTypeKVCacheManager):
+    """One block per request: its conv and SSM state, updated in place as tokens are computed.
+
+    The state at a block boundary is gone once later tokens ran, so no block is ever
+    registered in the prefix cache and nothing hits (the `KVCacheManager` turns caching off
+    for a model with a state group). A preempted request frees its block and recomputes its
+    state from the first token when it resumes."""
+
+    def num_blocks_to_allocate(self, req_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]) -> int:
+        return 0 if self.req_to_blocks.get(req_id) else 1
+
+    def allocate_new_blocks(self, req_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        blocks = self.req_to_blocks[req_id]
+        if blocks:
+            return []
+        blocks.extend(self.block_pool.get_new_blocks(1))
+        return list(blocks)
+
+    def holds_tokens(self, req_id: str, num_tokens: int) -> bool:
+        return bool(self.req_to_blocks.get(req_id))
+
+    def cache_blocks(self, req_id: str, block_hashes: Sequence[BlockHash], num_computed_tokens: int) -> None:
+        """Nothing to register: the block holds the state after the latest token, not at a boundary."""
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        return []
+
+
 def make_manager(
     spec: KVCacheSpec, block_pool: BlockPool, group_id: int, hash_block_size: int, enable_caching: bool
 ) -> SingleTypeKVCacheManager:
     if isinstance(spec, EncoderOnlyAttentionSpec):
         return EncoderOnlyManager(spec, block_pool, group_id, hash_block_size, enable_caching)
+    if isinstance(spec, MambaSpec):
+        return MambaManager(spec, block_pool, group_id, hash_block_size, enable_caching)
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager(spec, block_pool, group_id, hash_block_size, enable_caching)
     if isinstance(spec, FullAttentionSpec):

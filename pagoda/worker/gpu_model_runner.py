@@ -28,10 +28,13 @@ from pagoda.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
     get_kv_cache_config,
     kv_cache_torch_dtype,
 )
+from pagoda.model.layers.mamba.metadata import MambaMetadataBuilder
+from pagoda.model.layers.mamba.mixer import MambaMixer2
 from pagoda.outputs import IntermediateTensors, LogprobsArrays, ModelRunnerOutput
 from pagoda.pooling.runner import make_pooler, pooling_output
 from pagoda.sample.logprobs import LogprobsTensors
@@ -288,10 +291,13 @@ class GPUModelRunner:
         return layers + (self.drafter.layers if self.drafter is not None else [])
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """{layer name: what it keeps in the KV cache}, as the layers declare it."""
+        """{layer name: what it keeps in the KV cache}, as the layers declare it, in model order:
+        attention layers and state-space layers (`MambaMixer2`) alike."""
+        assert self.model is not None
         return {
             layer.layer_name: layer.get_kv_cache_spec(self.block_size, self.kv_cache_dtype)
-            for layer in self._attention_layers()
+            for layer in self.model.modules()
+            if isinstance(layer, (Attention, MambaMixer2))
         }
 
     def _init_kv_cache_groups(self, kv_cache_config: KVCacheConfig) -> None:
@@ -305,7 +311,10 @@ class GPUModelRunner:
         for group in groups:
             spec = group.kv_cache_spec
             if spec not in builders:
-                builders[spec] = self.attn_backend.get_builder_cls()(spec, limits, self.device)
+                builder_cls = (
+                    MambaMetadataBuilder if isinstance(spec, MambaSpec) else self.attn_backend.get_builder_cls()
+                )
+                builders[spec] = builder_cls(spec, limits, self.device)
         self.attn_metadata_builders = [builders[group.kv_cache_spec] for group in groups]
         self.slot_mappings = [self.buffer(self.max_num_tokens, torch.int64) for _ in groups]
         # Cascade steps take at most max_num_reqs tokens (the workspaces' size); paged groups only.
@@ -364,7 +373,10 @@ class GPUModelRunner:
                 raw = zeroed_bytes(tensor.size_bytes, self.device)
             for name in tensor.shared_by:
                 spec = specs[name]
-                shape = self.attn_backend.get_kv_cache_shape(kv_cache_config.num_blocks, spec)
+                if isinstance(spec, MambaSpec):
+                    shape = spec.cache_shape(kv_cache_config.num_blocks)
+                else:
+                    shape = self.attn_backend.get_kv_cache_shape(kv_cache_config.num_blocks, spec)
                 kv_caches[name] = raw.view(spec.dtype).view(shape)
         return kv_caches
 
