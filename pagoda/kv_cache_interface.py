@@ -115,13 +115,16 @@ class MambaSpec(KVCacheSpec):
     head_dim, state_size]), both in `dtype`, whatever the request's length. So a request holds
     exactly one block of the group; `block_size` only sets the hashing granularity.
 
-    `page_size_padded` (bytes, >= the state's) rounds the page up to a multiple of the
-    attention pages it shares the pool with (see `pad_state_pages`)."""
+    In a hybrid model the page shares buffers with attention pages, which an attention cache
+    lays out as `regions` = 2 (K of every block, then V of every block): a block's page is then
+    two strips, and the state sits in the first. `page_size_padded` (bytes) is the page rounded
+    up to hold it there and to a multiple of the attention pages (see `pad_state_pages`)."""
 
     conv_shape: tuple[int, int]
     ssm_shape: tuple[int, int, int]
     dtype: torch.dtype
     page_size_padded: int | None = None
+    regions: int = 1
 
     @property
     def num_elements(self) -> tuple[int, int]:
@@ -137,10 +140,10 @@ class MambaSpec(KVCacheSpec):
         return self.page_size_padded or self.state_bytes
 
     def cache_shape(self, num_blocks: int) -> tuple[int, int, int]:
-        """[1, num_blocks, page elements]: block-major like an attention cache's dim 1, so the
-        block zeroer and the shared buffers treat it alike; the layer views its two states in it."""
+        """[regions, num_blocks, strip elements], blocks on dim 1 as in an attention cache (the
+        block zeroer treats both alike); the layer views its two states in region 0."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return (1, num_blocks, self.page_size_bytes // element)
+        return (self.regions, num_blocks, self.page_size_bytes // element // self.regions)
 
     def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
         return 1
@@ -207,10 +210,15 @@ class KVCacheConfig:
         return lines
 
 
+# Strips of an attention cache's page (K, V) in the shared buffers.
+ATTENTION_PAGE_REGIONS = 2
+
+
 def pad_state_pages(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
-    """Round each state page (MambaSpec) up to a multiple of the largest attention page, so that
-    `unify_page_sizes` can scale the attention block size to it (a hybrid model's pool pages hold
-    one request's state of a Mamba layer or `k` blocks of an attention layer)."""
+    """Lay each state page (MambaSpec) out like the attention pages beside it: the state in the
+    first of the attention cache's two strips, the page a multiple of the largest attention
+    page, so that `unify_page_sizes` can scale the attention block size to it. (Half of a
+    hybrid's state page is then unused: the price of the K-then-V attention layout.)"""
     attention_pages = [spec.page_size_bytes for spec in specs.values() if not isinstance(spec, MambaSpec)]
     if not attention_pages:
         return specs
@@ -218,7 +226,8 @@ def pad_state_pages(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
     padded = {}
     for name, spec in specs.items():
         if isinstance(spec, MambaSpec):
-            spec = dataclasses.replace(spec, page_size_padded=-(spec.state_bytes // -unit) * unit)
+            size = -(ATTENTION_PAGE_REGIONS * spec.state_bytes // -unit) * unit
+            spec = dataclasses.replace(spec, page_size_padded=size, regions=ATTENTION_PAGE_REGIONS)
         padded[name] = spec
     return padded
 
