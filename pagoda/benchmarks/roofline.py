@@ -95,14 +95,16 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
     lm_head = model.get_output_embeddings().weight
     tied = lm_head is embedding
     body = sum(unique.values()) - embedding.numel() - (0 if tied else lm_head.numel())
-    num_heads = hf_config.num_attention_heads
+    num_heads = getattr(hf_config, "num_attention_heads", None)
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    # An attention-free model (Mamba-2) keeps no K/V per token (its fixed-size state is not counted).
+    attention_free = num_heads is None
     return ModelShape(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+        num_heads=0 if attention_free else num_heads,
+        num_kv_heads=0 if attention_free else getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=0 if attention_free else getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
         body_params=body,
         lm_head_params=lm_head.numel(),
         expert_params=experts,

@@ -1,5 +1,5 @@
 """The Mamba-2 Triton kernels (conv1d, chunked scan, decode step) against the torch reference
-(`ops_ref`: F.conv1d and a sequential scan) over shapes and batches: rows with and without a
+(`ops_ref`: the conv as shifted products and a sequential scan) over shapes and batches: rows with and without a
 state to continue, prefill chunks longer than a scan chunk beside one-token decodes, empty
 (padding) rows, states at scattered block indices. On the CPU under TRITON_INTERPRET=1 (small
 shapes), on the GPU for real (`-m gpu`: the same cases and a Mamba2-2.7B layer's shape in bf16)."""
@@ -114,5 +114,7 @@ def test_kernels_at_mamba2_2_7b_shape_bf16() -> None:
     prefill beside decodes, then a decode batch."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    _check_scan([300, 1, 1, 64], [False, True, True, True], 80, 64, 1, 128, decode=False, dtype=torch.bfloat16, atol=5e-2)
+    _check_scan(
+        [300, 1, 1, 64], [False, True, True, True], 80, 64, 1, 128, decode=False, dtype=torch.bfloat16, atol=5e-2
+    )
     _check_scan([1] * 8, [True] * 8, 80, 64, 1, 128, decode=True, dtype=torch.bfloat16, atol=5e-2)

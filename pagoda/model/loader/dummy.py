@@ -164,6 +164,30 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         "eos_token_id": 2,
         "pad_token_id": 2,
     },
+    # state-spaces/mamba2-2.7b (its config.json: d_model 2560, n_layer 64, vocab 50277 padded to a
+    # multiple of 16, tied embeddings; Mamba-2 defaults d_state 128, headdim 64, ngroups 1, expand 2)
+    "mamba2-2.7b": {
+        "architectures": ["Mamba2ForCausalLM"],
+        "model_type": "mamba2",
+        "vocab_size": 50288,
+        "hidden_size": 2560,
+        "num_hidden_layers": 64,
+        "num_heads": 80,
+        "head_dim": 64,
+        "state_size": 128,
+        "n_groups": 1,
+        "expand": 2,
+        "conv_kernel": 4,
+        "chunk_size": 256,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "layer_norm_epsilon": 1e-5,
+        "residual_in_fp32": True,
+        "tie_word_embeddings": True,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+    },
 }
 
 DUMMY_WEIGHT_RANGE = 1e-3

@@ -38,7 +38,10 @@ def causal_conv1d_ref(
     for start, end, index, live in _rows(query_start_loc, state_indices, has_initial_state):
         history = conv_states[index] if live else x.new_zeros(x.shape[1], width).to(conv_states.dtype)
         extended = torch.cat([history.to(weight.dtype), x[start:end].t().to(weight.dtype)], dim=1)
-        y = F.conv1d(extended[None], weight[:, None, :], bias, groups=x.shape[1])[0]
+        # y[:, t] = sum_k weight[:, k] * extended[:, t + k]: the conv as K shifted products.
+        y = sum(weight[:, k, None] * extended[:, k : k + end - start] for k in range(weight.shape[1]))
+        if bias is not None:
+            y = y + bias[:, None]
         conv_states[index] = extended[:, extended.shape[1] - width :].to(conv_states.dtype)
         out[start:end] = F.silu(y).t().to(x.dtype)
     return out

@@ -1,0 +1,194 @@
+"""Mamba-2 and the Bamba hybrid (Mamba-2 + attention layers) end to end against HF transformers,
+on tiny random checkpoints: greedy tokens equal HF's up to the first step whose top-2 margin is
+under 1e-3 and the sampled tokens' logprobs within 1e-4 (float32), with chunked prefill that
+continues a state across chunks shorter than the prompt, preemption (the hybrid's attention
+blocks grow; a pure Mamba-2 request holds one block, so only the hybrid preempts), requests
+joining a running batch, n = 2 (each sample its own state) and an abort; every test ends with
+the pool whole (`check_idle`). On CUDA the same through the Triton kernels and CUDA graphs."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from engine_utils import TARGETS, target_settings
+from model_utils import assert_greedy_match, randomize_
+from transformers import AutoModelForCausalLM, BambaConfig, Mamba2Config
+
+from pagoda import LLM, SamplingParams
+from pagoda.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+MIN_MARGIN = 1e-3
+LOGPROB_ATOL = 1e-4
+NEW_TOKENS = 10
+ENGINE = {"max_model_len": 128, "block_size": 16}
+_MAMBA = dict(vocab_size=256, hidden_size=64, tie_word_embeddings=False)
+CONFIGS = {
+    "mamba2": Mamba2Config(
+        **_MAMBA, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=8
+    ),
+    # Layer 1 attends, layers 0 and 2 are Mamba-2: two state groups and a full-attention group.
+    "bamba": BambaConfig(
+        **_MAMBA,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_layer_indices=[1],
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_chunk_size=8,
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def tiny_model(request, tmp_path_factory) -> tuple[str, torch.nn.Module]:
+    """A seeded random checkpoint; A_log and dt_bias spread so that states decay at many rates."""
+    path = str(tmp_path_factory.mktemp(request.param))
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(CONFIGS[request.param], dtype=torch.float32).eval()
+    randomize_(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.uniform_(-1.0, 0.5)
+            elif name.endswith("dt_bias"):
+                param.uniform_(-2.0, 0.0)
+    model.save_pretrained(path)
+    return path, model
+
+
+def make_prompts(seed: int, count: int, lengths: tuple[int, int] = (20, 40)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 256) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+# The CPU runs the synchronous target only (the async queue is the same for every model; the
+# sequential reference scan is slow); CUDA runs all of them.
+MAMBA_TARGETS = [t for t in TARGETS if t.id != "cpu-torch-async"]
+
+
+@pytest.fixture(params=MAMBA_TARGETS)
+def target(request) -> dict:
+    return target_settings(request.param)
+
+
+@functools.lru_cache(maxsize=64)
+def _hf_reference(model: torch.nn.Module, prompt: tuple[int, ...], steps: int) -> tuple[list[int], list[float]]:
+    return hf_reference(model, list(prompt), steps)
+
+
+@torch.inference_mode()
+def hf_reference(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens and top-2 margins, each step a full forward (no cache: its chunked scan)."""
+    ids, tokens, margins = list(prompt), [], []
+    for _ in range(steps):
+        x = torch.tensor([ids])
+        top2 = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, -1].float().topk(2)
+        margins.append(float(top2.values[0] - top2.values[1]))
+        tokens.append(int(top2.indices[0]))
+        ids.append(tokens[-1])
+    return tokens, margins
+
+
+@torch.inference_mode()
+def hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    ids = torch.tensor([prompt + tokens])
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+def check_sample(hf_model: torch.nn.Module, prompt: list[int], sample) -> int:
+    reference, margins = _hf_reference(hf_model, tuple(prompt), NEW_TOKENS)
+    steps = assert_greedy_match(list(sample.token_ids), reference, margins, MIN_MARGIN)
+    ours = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids, strict=True)]
+    expected = hf_logprobs(hf_model, prompt, list(sample.token_ids[:steps]))
+    torch.testing.assert_close(torch.tensor(ours[:steps]), torch.tensor(expected), atol=LOGPROB_ATOL, rtol=0)
+    return steps
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def check_against_hf(llm: LLM, hf_model: torch.nn.Module, prompts: list[list[int]]) -> None:
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    compared = sum(check_sample(hf_model, p, o.outputs[0]) for p, o in zip(prompts, outputs, strict=True))
+    assert compared >= len(prompts) * NEW_TOKENS // 2, "too few confident steps: the test checks nothing"
+    llm.llm_engine.check_idle()
+
+
+def test_state_groups_and_prefix_caching_off(tiny_model) -> None:
+    """One MambaSpec group per state layer group, one block per request, caching off for the model."""
+    path, hf_model = tiny_model
+    llm = LLM(model=path, device="cpu", dtype="float32", num_gpu_blocks=32, **ENGINE)
+    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    specs = kv.kv_cache_config.group_specs
+    assert any(isinstance(spec, MambaSpec) for spec in specs)
+    assert not kv.enable_caching
+    if hf_model.config.model_type == "bamba":
+        attention = [spec for spec in specs if isinstance(spec, FullAttentionSpec)]
+        mamba = next(spec for spec in specs if isinstance(spec, MambaSpec))
+        assert attention and attention[0].page_size_bytes == mamba.page_size_bytes >= 2 * mamba.state_bytes
+
+
+def test_models_match_hf(tiny_model, target) -> None:
+    """Prompts in one step and in chunks of 8 tokens (a state continued across 3-5 chunks)."""
+    path, hf_model = tiny_model
+    prompts = make_prompts(0, 3)
+    check_against_hf(LLM(model=path, num_gpu_blocks=64, **ENGINE, **target), hf_model, prompts)
+    llm = LLM(model=path, num_gpu_blocks=64, max_num_batched_tokens=8, max_num_seqs=4, **ENGINE, **target)
+    check_against_hf(llm, hf_model, prompts)
+
+
+def test_preemption_recomputes_the_state(tiny_model, target) -> None:
+    """A pool too small for every request at once: preempted requests free their state block and
+    recompute it when they resume."""
+    path, hf_model = tiny_model
+    if hf_model.config.model_type != "bamba":
+        pytest.skip("a pure Mamba-2 request never grows past its one block: nothing preempts")
+    # A request holds 2 state blocks and 1-2 attention blocks of 96 tokens (their page is the
+    # state's): 7 usable blocks admit two, whose second attention blocks do not both fit.
+    llm = LLM(model=path, num_gpu_blocks=8, max_num_batched_tokens=32, max_num_seqs=4, **ENGINE, **target)
+    check_against_hf(llm, hf_model, make_prompts(1, 3, lengths=(88, 110)))
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+
+
+def test_joining_requests_n2_and_abort(tiny_model) -> None:
+    """Requests added while others decode, one with n = 2 (both samples greedy, each its own state),
+    and one aborted mid-decode: the rest match HF and the pool is whole after."""
+    path, hf_model = tiny_model
+    llm = LLM(model=path, device="cpu", dtype="float32", num_gpu_blocks=64, max_num_batched_tokens=16, **ENGINE)
+    engine = llm.llm_engine
+    prompts = make_prompts(2, 4)
+    engine.add_request(prompts[0], GREEDY, "a")
+    engine.add_request(prompts[1], GREEDY, "aborted")
+    finished = {}
+    for step in range(40):
+        if step == 3:
+            engine.add_request(prompts[2], SamplingParams(**{**_greedy_fields(), "n": 2}), "pair")
+        if step == 6:
+            engine.add_request(prompts[3], GREEDY, "late")
+            engine.abort_requests(["aborted"])
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        if not engine.has_unfinished_requests() and step > 6:
+            break
+    assert sorted(finished) == ["a", "late", "pair"]
+    check_sample(hf_model, prompts[0], finished["a"].outputs[0])
+    check_sample(hf_model, prompts[3], finished["late"].outputs[0])
+    assert len(finished["pair"].outputs) == 2
+    for sample in finished["pair"].outputs:
+        check_sample(hf_model, prompts[2], sample)
+    engine.check_idle()
+
+
+def _greedy_fields() -> dict:
+    return {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True, "logprobs": 0}
