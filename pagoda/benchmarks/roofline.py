@@ -39,6 +39,11 @@ class ModelShape:
     expert_params: int = 0
     num_experts: int = 0
     experts_per_token: int = 0
+    # Layers that attend (the rest of a hybrid are state-space layers); None: all of them.
+    num_attention_layers: int | None = None
+    # Values of one request's recurrent state over all state-space layers (conv + SSM states),
+    # read and written once per decode step whatever the context.
+    state_values_per_request: int = 0
 
     @property
     def active_body_params(self) -> int:
@@ -58,7 +63,8 @@ class ModelShape:
     @property
     def kv_values_per_token(self) -> int:
         """K and V values one token keeps in the cache, over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        layers = self.num_layers if self.num_attention_layers is None else self.num_attention_layers
+        return 2 * layers * self.num_kv_heads * self.head_dim
 
 
 @dataclass(frozen=True)
@@ -97,8 +103,9 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
     body = sum(unique.values()) - embedding.numel() - (0 if tied else lm_head.numel())
     num_heads = getattr(hf_config, "num_attention_heads", None)
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-    # An attention-free model (Mamba-2) keeps no K/V per token (its fixed-size state is not counted).
+    # An attention-free model (Mamba-2) keeps no K/V per token, only its fixed-size state.
     attention_free = num_heads is None
+    num_state_layers, state_values = state_space_layers(hf_config)
     return ModelShape(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -112,7 +119,26 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
         if experts
         else 0,
         experts_per_token=getattr(hf_config, "num_experts_per_tok", 0) if experts else 0,
+        num_attention_layers=hf_config.num_hidden_layers - num_state_layers if num_state_layers else None,
+        state_values_per_request=num_state_layers * state_values,
     )
+
+
+def state_space_layers(hf_config: PretrainedConfig) -> tuple[int, int]:
+    """(Mamba-2 layers, values of one layer's conv + SSM state per request) of a Mamba-2 or Bamba
+    config; (0, 0) for other models."""
+    from pagoda.model.layers.mamba.mixer import MambaMixerShape
+
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type == "mamba2":
+        shape, layers = MambaMixerShape.of_mamba2(hf_config), hf_config.num_hidden_layers
+    elif model_type == "bamba":
+        shape = MambaMixerShape.of_hybrid(hf_config)
+        layers = sum(kind == "linear_attention" for kind in hf_config.layers_block_type)
+    else:
+        return 0, 0
+    conv = shape.conv_dim * (shape.conv_kernel - 1)
+    return layers, conv + shape.num_heads * shape.head_dim * shape.state_size
 
 
 def weight_bytes_per_step(
@@ -141,11 +167,13 @@ class Work:
 
 
 def decode_step_work(shape: ModelShape, context_lens: list[int], widths: ByteWidths) -> Work:
-    """One decode step of a batch whose requests attend over `context_lens` tokens each."""
+    """One decode step of a batch whose requests attend over `context_lens` tokens each (and
+    read and write their recurrent states, in the model dtype, if it has state-space layers)."""
     batch = len(context_lens)
     total_context = sum(context_lens)
+    state_traffic = 2 * batch * shape.state_values_per_request * widths.activation
     return Work(
-        bytes_read=weight_bytes_per_step(shape, batch, widths) + kv_bytes(shape, total_context, widths),
+        bytes_read=weight_bytes_per_step(shape, batch, widths) + kv_bytes(shape, total_context, widths) + state_traffic,
         flops=2 * (shape.active_body_params + shape.lm_head_params) * batch + attention_flops(shape, total_context),
     )
 
