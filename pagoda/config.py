@@ -37,6 +37,9 @@ ENCODER_MODEL_TYPES = ("bert",)
 # Models without attention or positions (a recurrent state per request), whose length is not
 # capped by the model: their default max_model_len.
 ATTENTION_FREE_MODEL_TYPES = ("mamba2",)
+# Models with state-space layers (attention-free or hybrid): a recurrent state per request, no
+# prefix caching (see KVCacheManager).
+STATE_SPACE_MODEL_TYPES = ("mamba2", "bamba")
 STATE_SPACE_MAX_MODEL_LEN = 131072
 
 
@@ -136,6 +139,11 @@ class ModelConfig:
             return False
         assert self.pooler_config is not None
         return self.is_encoder_only or self.pooler_config.pooling_type != "LAST"
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """State-space layers keep one state per request: nothing of a prompt is shared or cached."""
+        return getattr(self.hf_config, "model_type", None) in STATE_SPACE_MODEL_TYPES
 
     @property
     def num_layers(self) -> int:

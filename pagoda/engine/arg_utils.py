@@ -182,6 +182,11 @@ def _resolve_speculative(
         )
     if parallel_config.pipeline_parallel_size > 1:
         raise ConfigError("speculative_config needs pipeline_parallel_size 1 (pipelined verify steps are not built)")
+    if model_config.has_recurrent_state:
+        raise ConfigError(
+            "speculative_config is not supported for state-space models: a verify step would advance "
+            "the recurrent state past drafts that are then rejected"
+        )
     if config.method == "draft_model":
         config = resolve_draft_model(config, model_config)
     elif config.method in ("eagle", "eagle3"):

@@ -102,8 +102,13 @@ class LLMEngine:
             )
             return
         cache_config = self.config.cache_config
-        # Waiting for the first child pays off once the prompt fills a block the others can hit.
-        shares_blocks = cache_config.enable_prefix_caching and len(request.prompt_token_ids) > cache_config.block_size
+        # Waiting for the first child pays off once the prompt fills a block the others can hit
+        # (never with a recurrent state: each child computes its own from the prompt).
+        shares_blocks = (
+            cache_config.enable_prefix_caching
+            and not self.config.model_config.has_recurrent_state
+            and len(request.prompt_token_ids) > cache_config.block_size
+        )
         parent = ParentRequest(request, prompt_text, share_prompt_blocks=shares_blocks)
         self._add_to_core(parent.requests_to_add_now())
         self.output_processor.add_parent_request(parent)

@@ -18,6 +18,7 @@ from model_utils import assert_greedy_match, randomize_
 from transformers import AutoModelForCausalLM, BambaConfig, Mamba2Config
 
 from pagoda import LLM, SamplingParams
+from pagoda.config import ConfigError
 from pagoda.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 MIN_MARGIN = 1e-3
@@ -173,6 +174,8 @@ def test_joining_requests_n2_and_abort(tiny_model) -> None:
     for step in range(40):
         if step == 3:
             engine.add_request(prompts[2], SamplingParams(**{**_greedy_fields(), "n": 2}), "pair")
+            # Nothing of the prompt is shared: both samples start at once, each computing its state.
+            assert {"0_pair", "1_pair"} <= set(engine.engine_core.scheduler.requests)
         if step == 6:
             engine.add_request(prompts[3], GREEDY, "late")
             engine.abort_requests(["aborted"])
@@ -188,6 +191,17 @@ def test_joining_requests_n2_and_abort(tiny_model) -> None:
     for sample in finished["pair"].outputs:
         check_sample(hf_model, prompts[2], sample)
     engine.check_idle()
+
+
+def test_speculative_decoding_is_refused(tiny_model) -> None:
+    path, _ = tiny_model
+    with pytest.raises(ConfigError, match="speculative_config is not supported for state-space models"):
+        LLM(
+            model=path,
+            device="cpu",
+            dtype="float32",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
 
 
 def _greedy_fields() -> dict:
