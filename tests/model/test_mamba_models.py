@@ -9,6 +9,7 @@ the pool whole (`check_idle`). On CUDA the same through the Triton kernels and C
 from __future__ import annotations
 
 import functools
+import os
 import random
 
 import pytest
@@ -21,6 +22,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.config import ConfigError
 from pagoda.kv_cache_interface import FullAttentionSpec, MambaSpec
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_MARGIN = 1e-3
 LOGPROB_ATOL = 1e-4
 NEW_TOKENS = 10
@@ -107,7 +109,7 @@ def hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) ->
 
 
 def check_sample(hf_model: torch.nn.Module, prompt: list[int], sample) -> int:
-    reference, margins = _hf_reference(hf_model, tuple(prompt), NEW_TOKENS)
+    reference, margins = _hf_reference(hf_model, tuple(prompt), len(sample.token_ids))
     steps = assert_greedy_match(list(sample.token_ids), reference, margins, MIN_MARGIN)
     ours = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids, strict=True)]
     expected = hf_logprobs(hf_model, prompt, list(sample.token_ids[:steps]))
@@ -206,3 +208,21 @@ def test_speculative_decoding_is_refused(tiny_model) -> None:
 
 def _greedy_fields() -> dict:
     return {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True, "logprobs": 0}
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernels run on the CPU only under TRITON_INTERPRET=1")
+def test_triton_kernels_end_to_end_match_hf(tiny_model, monkeypatch) -> None:
+    """The engine on the CPU with the mixers' Triton kernels interpreted: chunked prefill (rows
+    with and without a state), decode batches; the same tokens and logprobs as HF."""
+    from pagoda.model.layers.mamba import mixer
+
+    monkeypatch.setattr(mixer, "use_kernels", lambda x: True)
+    path, hf_model = tiny_model
+    llm = LLM(
+        model=path, device="cpu", dtype="float32", num_gpu_blocks=64, max_num_batched_tokens=16, max_num_seqs=2, **ENGINE
+    )
+    prompts = make_prompts(3, 2)
+    outputs = llm.generate(prompts, SamplingParams(**{**_greedy_fields(), "max_tokens": 6}), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        check_sample(hf_model, prompt, output.outputs[0])
+    llm.llm_engine.check_idle()

@@ -112,6 +112,11 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     return weight * grouped.view_as(h).to(y.dtype)
 
 
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether the mixer runs its Triton kernels on `x` (CUDA) rather than the torch reference."""
+    return ops.use_triton(x)
+
+
 class ConvWeights(nn.Module):
     """The depthwise conv's parameters under HF's names (conv1d.weight [conv_dim, 1, K], conv1d.bias)."""
 
@@ -188,7 +193,7 @@ class MambaMixer2(nn.Module):
         rows = (metadata.query_start_loc, metadata.state_indices, metadata.has_initial_state)
         weight = self.conv1d.weight.view(shape.conv_dim, shape.conv_kernel)
         group_state = shape.num_groups * shape.state_size
-        if ops.use_triton(hidden_states):
+        if use_kernels(hidden_states):
             from pagoda.model.ops.triton_mamba import causal_conv1d, ssm_scan
 
             xbc = causal_conv1d(xbc, weight, self.conv1d.bias, conv_states, *rows)
