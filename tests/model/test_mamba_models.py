@@ -219,10 +219,62 @@ def test_triton_kernels_end_to_end_match_hf(tiny_model, monkeypatch) -> None:
     monkeypatch.setattr(mixer, "use_kernels", lambda x: True)
     path, hf_model = tiny_model
     llm = LLM(
-        model=path, device="cpu", dtype="float32", num_gpu_blocks=64, max_num_batched_tokens=16, max_num_seqs=2, **ENGINE
+        model=path,
+        device="cpu",
+        dtype="float32",
+        num_gpu_blocks=64,
+        max_num_batched_tokens=16,
+        max_num_seqs=2,
+        **ENGINE,
     )
     prompts = make_prompts(3, 2)
     outputs = llm.generate(prompts, SamplingParams(**{**_greedy_fields(), "max_tokens": 6}), use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
         check_sample(hf_model, prompt, output.outputs[0])
+    llm.llm_engine.check_idle()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_eager(tiny_model) -> None:
+    """Decode replays captured graphs (padded rows past the batch touch no state) with the same
+    tokens and logprobs as eager execution, in float32, for a batch of 5 (graph size 8)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path, _ = tiny_model
+    prompts = make_prompts(4, 5)
+    results = {}
+    for eager in (True, False):
+        llm = LLM(model=path, device="cuda", dtype="float32", num_gpu_blocks=64, enforce_eager=eager, **ENGINE)
+        runner = llm.llm_engine.engine_core.executor.worker.model_runner
+        assert (runner.cudagraph_manager is None) == eager
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        results[eager] = [
+            [
+                (token, entry[token].logprob)
+                for entry, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
+            ]
+            for o in outputs
+        ]
+        llm.llm_engine.check_idle()
+        llm.shutdown()
+    for graph, eager in zip(results[False], results[True], strict=True):
+        assert [t for t, _ in graph] == [t for t, _ in eager]
+        torch.testing.assert_close(
+            torch.tensor([p for _, p in graph]), torch.tensor([p for _, p in eager]), atol=1e-4, rtol=0
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_mamba2_2_7b_shape_serves_with_cuda_graphs() -> None:
+    """The published Mamba2-2.7B shape with dummy weights in bf16: 64 layers, decode from CUDA
+    graphs, prompts up to 2k tokens in chunks; every request gets its tokens and the pool is whole."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 50000) for _ in range(rng.randint(10, 2000))] for _ in range(16)]
+    llm = LLM("mamba2-2.7b", load_format="dummy", max_model_len=4096, max_num_batched_tokens=1024)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outputs)
+    assert llm.llm_engine.engine_core.executor.worker.model_runner.cudagraph_manager is not None
     llm.llm_engine.check_idle()
