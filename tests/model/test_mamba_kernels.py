@@ -68,12 +68,12 @@ def _ssm_inputs(query_lens, heads, head_dim, groups, state_size, num_blocks, dev
     x = torch.randn(num_tokens, heads, head_dim, device=device, dtype=dtype)
     dt = torch.randn(num_tokens, heads, device=device, dtype=dtype)
     dt_bias = torch.rand(heads, device=device) - 1.0
-    A = -torch.rand(heads, device=device) * 2 - 0.1
+    A_log = torch.rand(heads, device=device) * 2 - 1.5
     B = torch.randn(num_tokens, groups, state_size, device=device, dtype=dtype)
     C = torch.randn(num_tokens, groups, state_size, device=device, dtype=dtype)
     D = torch.randn(heads, device=device)
     states = torch.randn(num_blocks, heads, head_dim, state_size, device=device, dtype=dtype)
-    return x, dt, dt_bias, A, B, C, D, states
+    return x, dt, dt_bias, A_log, B, C, D, states
 
 
 def _check_scan(query_lens, live, heads, head_dim, groups, state_size, decode, dtype=torch.float32, atol=1e-4):
@@ -81,15 +81,15 @@ def _check_scan(query_lens, live, heads, head_dim, groups, state_size, decode, d
 
     device = _device()
     num_blocks = 7
-    x, dt, dt_bias, A, B, C, D, states = _ssm_inputs(
+    x, dt, dt_bias, A_log, B, C, D, states = _ssm_inputs(
         query_lens, heads, head_dim, groups, state_size, num_blocks, device, dtype
     )
     rows = _batch(query_lens, live, device, num_blocks)
     ref_states = states.float().cpu().clone()
     dt_ref = torch.nn.functional.softplus(dt.float().cpu() + dt_bias.cpu())
-    cpu = [t.float().cpu() for t in (x, dt_ref, A, B, C, D)]
+    cpu = [t.float().cpu() for t in (x, dt_ref, -torch.exp(A_log), B, C, D)]
     expected = ssm_scan_ref(*cpu, ref_states, *[r.cpu() for r in rows])
-    y = ssm_scan(x, dt, dt_bias, A, B, C, D, states, *rows, decode=decode)
+    y = ssm_scan(x, dt, dt_bias, A_log, B, C, D, states, *rows, decode=decode)
     torch.testing.assert_close(y.float().cpu(), expected, atol=atol, rtol=atol)
     torch.testing.assert_close(states.float().cpu(), ref_states, atol=atol, rtol=atol)
 
@@ -118,3 +118,21 @@ def test_kernels_at_mamba2_2_7b_shape_bf16() -> None:
         [300, 1, 1, 64], [False, True, True, True], 80, 64, 1, 128, decode=False, dtype=torch.bfloat16, atol=5e-2
     )
     _check_scan([1] * 8, [True] * 8, 80, 64, 1, 128, decode=True, dtype=torch.bfloat16, atol=5e-2)
+
+
+@pytest.mark.parametrize("dtype,group_size", [(torch.float32, 24), (torch.bfloat16, 32)])
+def test_gated_rms_norm_matches_reference(dtype, group_size) -> None:
+    from pagoda.model.layers.mamba.mixer import gated_rms_norm as reference
+    from pagoda.model.ops.triton_mamba import gated_rms_norm
+
+    device = _device()
+    torch.manual_seed(2)
+    y = torch.randn(5, 3 * group_size, device=device, dtype=dtype)
+    z_full = torch.randn(5, 4 * group_size, device=device, dtype=dtype)
+    z = z_full[:, group_size:]  # strided, as the gate's split is
+    weight = torch.rand(3 * group_size, device=device, dtype=dtype) + 0.5
+    expected = reference(y.cpu(), z.cpu(), weight.cpu(), group_size, 1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -5  # bf16: a rounding step of values near 2-4
+    torch.testing.assert_close(
+        gated_rms_norm(y, z, weight, group_size, 1e-5).cpu(), expected, atol=tolerance, rtol=tolerance
+    )

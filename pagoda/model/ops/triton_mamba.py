@@ -11,7 +11,8 @@ a graph captured on one batch replays any other of its size.
   (SSD): per (row, head, head_dim block), chunks of CHUNK tokens, within a chunk
   y = ((C B^T) * exp(segsum(dt A)) * dt) x + exp(cumsum) C h, and h carried across chunks, all
   in float32. A decode batch (one token per row) takes the single-step update.
-The torch reference is `pagoda.model.layers.mamba.ops_ref`.
+- `gated_rms_norm`: RMSNorm of y * SiLU(z) per channel group, fused (the mixer's output norm).
+The torch references are `pagoda.model.layers.mamba.ops_ref` and `mixer.gated_rms_norm`.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def _ssm_decode_kernel(
     x_ptr,
     dt_ptr,
     dt_bias_ptr,
-    A_ptr,
+    A_log_ptr,
     B_ptr,
     C_ptr,
     D_ptr,
@@ -195,7 +196,7 @@ def _ssm_decode_kernel(
     dt = _softplus(tl.load(dt_ptr + t * stride_dt + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32))
     if CLAMP_DT:
         dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    A = tl.load(A_ptr + head).to(tl.float32)
+    A = -tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
     group = head // HEADS_PER_GROUP
     B = tl.load(B_ptr + t * stride_b_t + group * stride_b_g + n, mask=n_mask, other=0.0).to(tl.float32)
     C = tl.load(C_ptr + t * stride_c_t + group * stride_c_g + n, mask=n_mask, other=0.0).to(tl.float32)
@@ -211,7 +212,7 @@ def _ssm_chunked_kernel(
     x_ptr,
     dt_ptr,
     dt_bias_ptr,
-    A_ptr,
+    A_log_ptr,
     B_ptr,
     C_ptr,
     D_ptr,
@@ -260,7 +261,7 @@ def _ssm_chunked_kernel(
     tile_mask = p_mask[:, None] & n_mask[None, :]
     state = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     state = tl.where(live, state, 0.0)
-    A = tl.load(A_ptr + head).to(tl.float32)
+    A = -tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
     D = tl.load(D_ptr + head).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     group = head // HEADS_PER_GROUP
@@ -308,7 +309,7 @@ def ssm_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
     dt_bias: torch.Tensor,
-    A: torch.Tensor,
+    A_log: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
@@ -320,8 +321,8 @@ def ssm_scan(
     dt_limit: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """y [T, H, P] (x's dtype) of the selective scan with dt = softplus(dt + dt_bias) (clamped to
-    `dt_limit` when given): x [T, H, P], dt [T, H], B, C [T, G, N] (unit last strides), A, D,
-    dt_bias [H]; ssm_states [blocks, H, P, N] (unit last stride) updated in place. `decode`: every
+    `dt_limit` when given) and A = -exp(A_log): x [T, H, P], dt [T, H], B, C [T, G, N] (unit last
+    strides), A_log, D, dt_bias [H]; ssm_states [blocks, H, P, N] (unit last stride) updated in place. `decode`: every
     non-empty row has exactly one token (the single-step kernel)."""
     num_tokens, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1], B.shape[2]
@@ -338,7 +339,7 @@ def ssm_scan(
         x,
         dt,
         dt_bias,
-        A,
+        A_log,
         B,
         C,
         D,
@@ -389,3 +390,45 @@ def ssm_scan(
         num_warps=4,
     )
     return y
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    y_ptr, z_ptr, w_ptr, out_ptr, stride_y, stride_z, stride_out, group_size, eps, BLOCK: tl.constexpr
+):
+    token = tl.program_id(0).to(tl.int64)
+    offsets = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < group_size
+    y = tl.load(y_ptr + token * stride_y + offsets, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + token * stride_z + offsets, mask=mask, other=0.0).to(tl.float32)
+    h = y * z / (1.0 + tl.exp(-z))
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
+    dtype = out_ptr.dtype.element_ty
+    # As HF: the normalized value cast to the model dtype, then times the weight (in that dtype).
+    w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    out = (h.to(dtype).to(tl.float32) * w).to(dtype)
+    tl.store(out_ptr + token * stride_out + offsets, out, mask=mask)
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """RMSNorm of y * SiLU(z) over groups of `group_size` channels times weight: y, z [T, C]
+    (unit column stride) -> [T, C] in y's dtype; one program per (token, group)."""
+    num_tokens, channels = y.shape
+    if y.stride(1) != 1 or z.stride(1) != 1 or channels % group_size:
+        raise ValueError(f"y, z [T, {channels}] need unit column strides and whole groups of {group_size}")
+    out = torch.empty(num_tokens, channels, dtype=y.dtype, device=y.device)
+    block = triton.next_power_of_2(group_size)
+    _gated_rms_norm_kernel[(num_tokens, channels // group_size)](
+        y,
+        z,
+        weight,
+        out,
+        y.stride(0),
+        z.stride(0),
+        out.stride(0),
+        group_size,
+        eps,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 512)),
+    )
+    return out

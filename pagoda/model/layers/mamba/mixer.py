@@ -134,6 +134,10 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if use_kernels(y):
+            from pagoda.model.ops import triton_mamba
+
+            return triton_mamba.gated_rms_norm(y, z, self.weight, self.group_size, self.eps)
         return gated_rms_norm(y, z, self.weight, self.group_size, self.eps)
 
 
@@ -189,7 +193,6 @@ class MambaMixer2(nn.Module):
         num_tokens = hidden_states.shape[0]
         projected = self.in_proj(hidden_states)
         gate, xbc, dt = projected.split([shape.intermediate_size, shape.conv_dim, shape.num_heads], dim=-1)
-        A = -torch.exp(self.A_log.float())
         rows = (metadata.query_start_loc, metadata.state_indices, metadata.has_initial_state)
         weight = self.conv1d.weight.view(shape.conv_dim, shape.conv_kernel)
         group_state = shape.num_groups * shape.state_size
@@ -202,7 +205,7 @@ class MambaMixer2(nn.Module):
                 x.view(num_tokens, shape.num_heads, shape.head_dim),
                 dt,
                 self.dt_bias,
-                A,
+                self.A_log,
                 B.view(num_tokens, shape.num_groups, shape.state_size),
                 C.view(num_tokens, shape.num_groups, shape.state_size),
                 self.D,
@@ -220,7 +223,7 @@ class MambaMixer2(nn.Module):
             y = ssm_scan_ref(
                 x.reshape(num_tokens, shape.num_heads, shape.head_dim),
                 dt,
-                A,
+                -torch.exp(self.A_log.float()),
                 B.reshape(num_tokens, shape.num_groups, shape.state_size),
                 C.reshape(num_tokens, shape.num_groups, shape.state_size),
                 self.D,
