@@ -26,6 +26,10 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 # Values of ModelConfig.quantization (None: the checkpoint's own) and CacheConfig.kv_cache_dtype.
 QUANTIZATION_METHODS = (None, "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+# State-space layers' prefix caching (vLLM's names): "none", one state per request and no
+# caching; "align", a state checkpoint at every block boundary (steps end on boundaries they
+# reach), so a cached prefix resumes from the checkpoint at its end.
+MAMBA_CACHE_MODES = ("none", "align")
 
 # What the engine serves: "generate" samples tokens; "embed" pools hidden states (no sampler);
 # "auto" picks from the architecture (encoders such as BertModel embed, decoders generate).
@@ -202,8 +206,13 @@ class CacheConfig:
     kv_offload_save_on_finish: bool = False
     # Seconds a request may wait for its KV to load before it recomputes instead.
     kv_load_timeout_s: float = 30.0
+    mamba_cache_mode: str = "none"
 
     def __post_init__(self) -> None:
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ConfigError(
+                f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, got {self.mamba_cache_mode!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

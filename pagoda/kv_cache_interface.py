@@ -113,7 +113,8 @@ class MambaSpec(KVCacheSpec):
     """A state-space layer's recurrent state: per request one page holding its conv state
     ([conv_dim, conv_kernel - 1], the last inputs of the causal conv) and SSM state ([heads,
     head_dim, state_size]), both in `dtype`, whatever the request's length. So a request holds
-    exactly one block of the group; `block_size` only sets the hashing granularity.
+    exactly one block of the group; `block_size` only sets the hashing granularity (with
+    `checkpoints`, the interval between the states it keeps, see below).
 
     In a hybrid model the page shares buffers with attention pages, which an attention cache
     lays out as `regions` = 2 (K of every block, then V of every block): a block's page is then
@@ -125,6 +126,9 @@ class MambaSpec(KVCacheSpec):
     dtype: torch.dtype
     page_size_padded: int | None = None
     regions: int = 1
+    # mamba_cache_mode "align": block i of a request keeps the state after (i + 1) * block_size
+    # tokens (a checkpoint), the block of its latest token the running state.
+    checkpoints: bool = False
 
     @property
     def num_elements(self) -> tuple[int, int]:
@@ -146,7 +150,9 @@ class MambaSpec(KVCacheSpec):
         return (self.regions, num_blocks, self.page_size_bytes // element // self.regions)
 
     def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
-        return 1
+        """One; with checkpoints, the block a step reads its state from and the one it writes
+        (a step never crosses a block boundary)."""
+        return min(2, -(num_tokens // -self.block_size)) if self.checkpoints else 1
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,19 @@ def pad_state_pages(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
     return padded
 
 
+def align_checkpoint_blocks(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """State checkpoints every attention block (of the largest, after `unify_page_sizes`), so a
+    prefix hit ends where every group can resume from."""
+    attention_blocks = [spec.block_size for spec in specs.values() if not isinstance(spec, MambaSpec)]
+    if not attention_blocks:
+        return specs
+    block = max(attention_blocks)
+    return {
+        name: spec.with_block_size(block) if isinstance(spec, MambaSpec) and spec.checkpoints else spec
+        for name, spec in specs.items()
+    }
+
+
 def unify_page_sizes(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
     """Scale block sizes so that every spec's page is as large as the largest page.
 
@@ -278,7 +297,7 @@ def get_kv_cache_config(
     paged = {name: spec for name, spec in specs.items() if spec.page_size_bytes}
     if not paged:  # encoder-only: groups for the metadata, no buffer; the pool's one block is never taken
         return KVCacheConfig(num_blocks=2, kv_cache_tensors=(), kv_cache_groups=tuple(group_layers(specs)))
-    paged = unify_page_sizes(pad_state_pages(paged))
+    paged = align_checkpoint_blocks(unify_page_sizes(pad_state_pages(paged)))
     specs = {**specs, **paged}
     groups = group_layers(specs)
     page_size = next(iter(paged.values())).page_size_bytes

@@ -103,10 +103,11 @@ class LLMEngine:
             return
         cache_config = self.config.cache_config
         # Waiting for the first child pays off once the prompt fills a block the others can hit
-        # (never with a recurrent state: each child computes its own from the prompt).
+        # (a recurrent state without checkpoints is never shared: each child computes its own).
+        state_unshared = self.config.model_config.has_recurrent_state and cache_config.mamba_cache_mode == "none"
         shares_blocks = (
             cache_config.enable_prefix_caching
-            and not self.config.model_config.has_recurrent_state
+            and not state_unshared
             and len(request.prompt_token_ids) > cache_config.block_size
         )
         parent = ParentRequest(request, prompt_text, share_prompt_blocks=shares_blocks)

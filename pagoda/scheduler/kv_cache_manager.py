@@ -70,14 +70,14 @@ def prefix_caching_unsupported(kv_cache_config: KVCacheConfig) -> str | None:
     state_layers = [
         name
         for group in kv_cache_config.kv_cache_groups
-        if isinstance(group.kv_cache_spec, MambaSpec)
+        if isinstance(group.kv_cache_spec, MambaSpec) and not group.kv_cache_spec.checkpoints
         for name in group.layer_names
     ]
     if not state_layers:
         return None
     return (
         f"{len(state_layers)} state-space layers ({state_layers[0]}, ...) keep one recurrent state per request, "
-        "with no checkpoint at block boundaries to resume a cached prefix from"
+        "with no checkpoint at block boundaries to resume a cached prefix from (mamba_cache_mode 'align' keeps them)"
     )
 
 
@@ -98,9 +98,25 @@ class KVCacheManager:
             make_manager(group.kv_cache_spec, self.block_pool, gid, self.hash_block_size, enable_caching)
             for gid, group in enumerate(kv_cache_config.kv_cache_groups)
         ]
+        # Tokens between state checkpoints (0: no state group keeps them).
+        self._checkpoint_interval = next(
+            (
+                spec.block_size
+                for spec in kv_cache_config.group_specs
+                if isinstance(spec, MambaSpec) and spec.checkpoints
+            ),
+            0,
+        )
         # Prefix-cache lookups, in tokens, counted once per admission of a request.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    def cap_at_checkpoint(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """`num_new_tokens`, cut so that the step ends at the next state checkpoint if it reaches
+        one (a state group with checkpoints keeps the state only where steps end)."""
+        if not self._checkpoint_interval:
+            return num_new_tokens
+        return min(num_new_tokens, self._checkpoint_interval - num_computed_tokens % self._checkpoint_interval)
 
     @property
     def num_groups(self) -> int:

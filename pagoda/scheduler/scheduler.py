@@ -222,7 +222,9 @@ class Scheduler:
             if request.num_inflight_drafts or (self.drafts_from_runner and request.num_pending_tokens):
                 index += 1  # where its next token goes (or its drafts) depends on its output: wait for it
                 continue
-            num_new = min(self._num_tokens_to_compute(request), budget)
+            num_new = kv.cap_at_checkpoint(
+                request.num_computed_tokens, min(self._num_tokens_to_compute(request), budget)
+            )
             if num_new == 0 or (self.pipeline_parallel and request.num_pending_tokens):
                 index += 1
                 continue
@@ -293,7 +295,7 @@ class Scheduler:
                     if started:
                         del self.waiting[position]
                         continue
-            num_new = request.num_tokens - num_hit_tokens
+            num_new = kv.cap_at_checkpoint(num_hit_tokens, request.num_tokens - num_hit_tokens)
             first_block = num_hit_tokens // kv.hash_block_size
             hashes = request.block_hashes
             if not needs_whole_prompt and first_block < len(hashes) and hashes[first_block] in filling:

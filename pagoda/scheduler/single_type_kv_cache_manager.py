@@ -6,7 +6,8 @@ before the window of the request's next token goes back to the pool and its plac
 request's list becomes the null block (indices stay aligned with token positions). Both look
 up prefix-cache hits in their own group's part of the shared pool (cache keys carry the
 group id), and only blocks whose tokens have all been computed are registered.
-`MambaManager` keeps one block per request, its recurrent state, however long it grows.
+`MambaManager` keeps one block per request, its recurrent state, however long it grows;
+`MambaCheckpointManager` keeps a state per block boundary, cached like full blocks.
 """
 
 from __future__ import annotations
@@ -235,13 +236,32 @@ class MambaManager(SingleTypeKVCacheManager):
         return []
 
 
+class MambaCheckpointManager(SlidingWindowManager):
+    """mamba_cache_mode "align": block i holds the state after (i + 1) * block_size tokens once
+    the request passed that point (a checkpoint, cached under the prefix's hash), and the block
+    of the latest token holds the running state. Steps end at the boundaries they reach (see
+    `KVCacheManager.cap_at_checkpoint`), so each checkpoint is exact.
+
+    The next step reads only the state after its first token's predecessor: the block holding
+    token num_computed - 1, as a sliding window of 2 tokens would keep; blocks before it go back
+    to the pool, cached. A hit resumes from one cached checkpoint, the blocks before it null."""
+
+    def __init__(
+        self, spec: MambaSpec, block_pool: BlockPool, group_id: int, hash_block_size: int, enable_caching: bool
+    ):
+        SingleTypeKVCacheManager.__init__(self, spec, block_pool, group_id, hash_block_size, enable_caching)
+        self.sliding_window = 2
+        self._blocks_before_resume = 1
+
+
 def make_manager(
     spec: KVCacheSpec, block_pool: BlockPool, group_id: int, hash_block_size: int, enable_caching: bool
 ) -> SingleTypeKVCacheManager:
     if isinstance(spec, EncoderOnlyAttentionSpec):
         return EncoderOnlyManager(spec, block_pool, group_id, hash_block_size, enable_caching)
     if isinstance(spec, MambaSpec):
-        return MambaManager(spec, block_pool, group_id, hash_block_size, enable_caching)
+        manager_cls = MambaCheckpointManager if spec.checkpoints else MambaManager
+        return manager_cls(spec, block_pool, group_id, hash_block_size, enable_caching)
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager(spec, block_pool, group_id, hash_block_size, enable_caching)
     if isinstance(spec, FullAttentionSpec):

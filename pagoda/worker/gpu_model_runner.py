@@ -294,8 +294,11 @@ class GPUModelRunner:
         """{layer name: what it keeps in the KV cache}, as the layers declare it, in model order:
         attention layers and state-space layers (`MambaMixer2`) alike."""
         assert self.model is not None
+        checkpoints = self.cache_config.mamba_cache_mode == "align"
         return {
-            layer.layer_name: layer.get_kv_cache_spec(self.block_size, self.kv_cache_dtype)
+            layer.layer_name: layer.get_kv_cache_spec(self.block_size, self.kv_cache_dtype, checkpoints)
+            if isinstance(layer, MambaMixer2)
+            else layer.get_kv_cache_spec(self.block_size, self.kv_cache_dtype)
             for layer in self.model.modules()
             if isinstance(layer, (Attention, MambaMixer2))
         }
@@ -307,15 +310,21 @@ class GPUModelRunner:
         self.layer_groups = {name: gid for gid, group in enumerate(groups) for name in group.layer_names}
         cascade = not self.scheduler_config.disable_cascade_attn
         limits = AttentionLimits(self.num_heads, self.max_num_reqs, self.max_model_len, cascade=cascade)
-        builders: dict[KVCacheSpec, AttentionMetadataBuilder] = {}  # groups of one spec share theirs
-        for group in groups:
+        # Attention groups of one spec share their builder; a state group's builder gathers its
+        # own block table's state blocks into its buffers, so each has one.
+        builders: dict[object, AttentionMetadataBuilder] = {}
+        keys = [
+            (gid, group.kv_cache_spec) if isinstance(group.kv_cache_spec, MambaSpec) else group.kv_cache_spec
+            for gid, group in enumerate(groups)
+        ]
+        for key, group in zip(keys, groups, strict=True):
             spec = group.kv_cache_spec
-            if spec not in builders:
+            if key not in builders:
                 builder_cls = (
                     MambaMetadataBuilder if isinstance(spec, MambaSpec) else self.attn_backend.get_builder_cls()
                 )
-                builders[spec] = builder_cls(spec, limits, self.device)
-        self.attn_metadata_builders = [builders[group.kv_cache_spec] for group in groups]
+                builders[key] = builder_cls(spec, limits, self.device)
+        self.attn_metadata_builders = [builders[key] for key in keys]
         self.slot_mappings = [self.buffer(self.max_num_tokens, torch.int64) for _ in groups]
         # Cascade steps take at most max_num_reqs tokens (the workspaces' size); paged groups only.
         self.cascade_buffers = [

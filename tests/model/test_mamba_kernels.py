@@ -25,12 +25,15 @@ def _device() -> str:
 
 
 def _batch(query_lens: list[int], live: list[bool], device: str, num_blocks: int):
-    """query_start_loc, state indices (scattered, distinct) and has_initial_state of a batch."""
+    """query_start_loc, the blocks read and written (scattered, distinct; odd rows move to another
+    block, as a step that starts a checkpoint block does) and has_initial_state of a batch."""
     starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     starts[1:] = torch.cumsum(torch.tensor(query_lens), 0)
     generator = torch.Generator().manual_seed(len(query_lens))
-    indices = torch.randperm(num_blocks - 1, generator=generator)[: len(query_lens)].to(torch.int32) + 1
-    return starts.to(device), indices.to(device), torch.tensor(live, device=device)
+    blocks = torch.randperm(num_blocks - 1, generator=generator)[: 2 * len(query_lens)].to(torch.int32) + 1
+    written = blocks[: len(query_lens)]
+    read = torch.where(torch.arange(len(query_lens)) % 2 == 1, blocks[len(query_lens) :], written)
+    return starts.to(device), read.to(device), written.to(device), torch.tensor(live, device=device)
 
 
 # (query lens, has state): prefills longer than a chunk (32), decodes, an empty padding row.
@@ -48,7 +51,7 @@ def test_causal_conv1d_matches_reference(query_lens, live, kernel) -> None:
 
     device = _device()
     torch.manual_seed(0)
-    dim, num_blocks = 48, 9
+    dim, num_blocks = 48, 12
     x_full = torch.randn(sum(query_lens), dim + 16, device=device)
     x = x_full[:, 8 : 8 + dim]  # a strided view, as the split of in_proj's output is
     weight = torch.randn(dim, kernel, device=device)
@@ -80,7 +83,7 @@ def _check_scan(query_lens, live, heads, head_dim, groups, state_size, decode, d
     from pagoda.model.ops.triton_mamba import ssm_scan
 
     device = _device()
-    num_blocks = 7
+    num_blocks = 2 * len(query_lens) + 2
     x, dt, dt_bias, A_log, B, C, D, states = _ssm_inputs(
         query_lens, heads, head_dim, groups, state_size, num_blocks, device, dtype
     )
@@ -132,7 +135,7 @@ def test_gated_rms_norm_matches_reference(dtype, group_size) -> None:
     z = z_full[:, group_size:]  # strided, as the gate's split is
     weight = torch.rand(3 * group_size, device=device, dtype=dtype) + 0.5
     expected = reference(y.cpu(), z.cpu(), weight.cpu(), group_size, 1e-5)
-    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -5  # bf16: a rounding step of values near 2-4
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-5  # bf16: a rounding step of values near 2-4
     torch.testing.assert_close(
         gated_rms_norm(y, z, weight, group_size, 1e-5).cpu(), expected, atol=tolerance, rtol=tolerance
     )

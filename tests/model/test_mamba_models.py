@@ -39,7 +39,7 @@ CONFIGS = {
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=256,
         attn_layer_indices=[1],
         mamba_n_heads=8,
         mamba_d_head=16,
@@ -193,6 +193,40 @@ def test_joining_requests_n2_and_abort(tiny_model) -> None:
     for sample in finished["pair"].outputs:
         check_sample(hf_model, prompts[2], sample)
     engine.check_idle()
+
+
+CHECKPOINTED = {"max_model_len": 256, "block_size": 16, "mamba_cache_mode": "align"}
+
+
+def test_prefix_cache_hits_resume_from_checkpoints(tiny_model, target) -> None:
+    """mamba_cache_mode "align": a state checkpoint at every block boundary (16 tokens for
+    Mamba-2, the hybrid's attention block of 96 for Bamba); the same prompts again hit every
+    whole block but the last token's, resume from the checkpoint there, and match HF. Prefill
+    chunks of 32 tokens end at the boundaries they reach."""
+    path, hf_model = tiny_model
+    llm = LLM(model=path, num_gpu_blocks=128, max_num_batched_tokens=32, **CHECKPOINTED, **target)
+    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    assert kv.enable_caching
+    prompts = make_prompts(5, 3, lengths=(100, 120))
+    check_against_hf(llm, hf_model, prompts)
+    hits_before = kv.prefix_cache_hits
+    check_against_hf(llm, hf_model, prompts)
+    expected = sum((len(p) - 1) // kv.hit_alignment * kv.hit_alignment for p in prompts)
+    assert expected > 0 and kv.prefix_cache_hits - hits_before == expected
+
+
+def test_n2_samples_share_the_prompt_checkpoint(tiny_model) -> None:
+    """With checkpoints, the second sample of n = 2 waits for the first and resumes from the
+    prompt's last checkpoint (a prefix hit); both samples are HF's greedy continuation."""
+    path, hf_model = tiny_model
+    llm = LLM(model=path, device="cpu", dtype="float32", num_gpu_blocks=128, **CHECKPOINTED)
+    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    prompt = make_prompts(6, 1, lengths=(100, 110))[0]
+    (output,) = llm.generate([prompt], SamplingParams(**{**_greedy_fields(), "n": 2}), use_tqdm=False)
+    for sample in output.outputs:
+        check_sample(hf_model, prompt, sample)
+    assert kv.prefix_cache_hits == (len(prompt) - 1) // kv.hit_alignment * kv.hit_alignment > 0
+    llm.llm_engine.check_idle()
 
 
 def test_speculative_decoding_is_refused(tiny_model) -> None:

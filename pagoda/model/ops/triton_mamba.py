@@ -1,8 +1,8 @@
 """Triton kernels of a Mamba-2 layer over a flat batch of requests with paged state.
 
 Request row r owns tokens query_start_loc[r]:query_start_loc[r + 1] (rows with none, the padding
-of a CUDA graph, do nothing) and its state at index state_indices[r], read when
-has_initial_state[r], else taken as zeros. Every loop bound comes from these device tensors, so
+of a CUDA graph, do nothing); its state is read at index initial_state_indices[r] when
+has_initial_state[r] (else taken as zeros) and written at state_indices[r]. Every loop bound comes from these device tensors, so
 a graph captured on one batch replays any other of its size.
 
 - `causal_conv1d`: depthwise causal conv + SiLU; one program per (row, channel block) walks the
@@ -39,12 +39,14 @@ def _causal_conv1d_kernel(
     state_ptr,
     out_ptr,
     qsl_ptr,
+    read_idx_ptr,
     idx_ptr,
     live_ptr,
     stride_x,
     stride_out,
     stride_state_block,
     stride_state_dim,
+    stride_read_idx,
     stride_idx,
     dim,
     K: tl.constexpr,
@@ -58,9 +60,10 @@ def _causal_conv1d_kernel(
         return
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = d < dim
+    read = tl.load(read_idx_ptr + row * stride_read_idx).to(tl.int64)
     index = tl.load(idx_ptr + row * stride_idx).to(tl.int64)
     live = tl.load(live_ptr + row) != 0
-    state = state_ptr + index * stride_state_block + d * stride_state_dim
+    state = state_ptr + read * stride_state_block + d * stride_state_dim
     # A stale state (a request's first step) is read and discarded: zeros instead.
     # h3 is the newest input before the row's first token, h1 the oldest (K = 4).
     h1 = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -92,6 +95,7 @@ def _causal_conv1d_kernel(
         h2 = h3
         h3 = x
     dtype = state_ptr.dtype.element_ty
+    state = state_ptr + index * stride_state_block + d * stride_state_dim
     tl.store(state + (K - 2), h3.to(dtype), mask=mask)
     if K >= 3:
         tl.store(state + (K - 3), h2.to(dtype), mask=mask)
@@ -105,6 +109,7 @@ def causal_conv1d(
     bias: torch.Tensor | None,
     conv_states: torch.Tensor,
     query_start_loc: torch.Tensor,
+    initial_state_indices: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
 ) -> torch.Tensor:
@@ -126,12 +131,14 @@ def causal_conv1d(
         conv_states,
         out,
         query_start_loc,
+        initial_state_indices,
         state_indices,
         has_initial_state,
         x.stride(0),
         out.stride(0),
         conv_states.stride(0),
         conv_states.stride(1),
+        initial_state_indices.stride(0),
         state_indices.stride(0),
         dim,
         K=kernel,
@@ -153,6 +160,7 @@ def _ssm_decode_kernel(
     state_ptr,
     y_ptr,
     qsl_ptr,
+    read_idx_ptr,
     idx_ptr,
     live_ptr,
     stride_x_t,
@@ -167,6 +175,7 @@ def _ssm_decode_kernel(
     stride_s_p,
     stride_y_t,
     stride_y_h,
+    stride_read_idx,
     stride_idx,
     head_dim,
     state_size,
@@ -187,11 +196,12 @@ def _ssm_decode_kernel(
     n = tl.arange(0, BLOCK_N)
     p_mask = p < head_dim
     n_mask = n < state_size
+    read = tl.load(read_idx_ptr + row * stride_read_idx).to(tl.int64)
     index = tl.load(idx_ptr + row * stride_idx).to(tl.int64)
     live = tl.load(live_ptr + row) != 0
-    state_ptrs = state_ptr + index * stride_s_block + head * stride_s_h + p[:, None] * stride_s_p + n[None, :]
+    tile = head * stride_s_h + p[:, None] * stride_s_p + n[None, :]
     tile_mask = p_mask[:, None] & n_mask[None, :]
-    state = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    state = tl.load(state_ptr + read * stride_s_block + tile, mask=tile_mask, other=0.0).to(tl.float32)
     state = tl.where(live, state, 0.0)
     dt = _softplus(tl.load(dt_ptr + t * stride_dt + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32))
     if CLAMP_DT:
@@ -204,7 +214,7 @@ def _ssm_decode_kernel(
     state = state * tl.exp(dt * A) + (dt * x)[:, None] * B[None, :]
     y = tl.sum(state * C[None, :], axis=1) + tl.load(D_ptr + head).to(tl.float32) * x
     tl.store(y_ptr + t * stride_y_t + head * stride_y_h + p, y.to(y_ptr.dtype.element_ty), mask=p_mask)
-    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(state_ptr + index * stride_s_block + tile, state.to(state_ptr.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit
@@ -219,6 +229,7 @@ def _ssm_chunked_kernel(
     state_ptr,
     y_ptr,
     qsl_ptr,
+    read_idx_ptr,
     idx_ptr,
     live_ptr,
     stride_x_t,
@@ -233,6 +244,7 @@ def _ssm_chunked_kernel(
     stride_s_p,
     stride_y_t,
     stride_y_h,
+    stride_read_idx,
     stride_idx,
     head_dim,
     state_size,
@@ -255,11 +267,12 @@ def _ssm_chunked_kernel(
     n = tl.arange(0, BLOCK_N)
     p_mask = p < head_dim
     n_mask = n < state_size
+    read = tl.load(read_idx_ptr + row * stride_read_idx).to(tl.int64)
     index = tl.load(idx_ptr + row * stride_idx).to(tl.int64)
     live = tl.load(live_ptr + row) != 0
-    state_ptrs = state_ptr + index * stride_s_block + head * stride_s_h + p[:, None] * stride_s_p + n[None, :]
+    tile = head * stride_s_h + p[:, None] * stride_s_p + n[None, :]
     tile_mask = p_mask[:, None] & n_mask[None, :]
-    state = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    state = tl.load(state_ptr + read * stride_s_block + tile, mask=tile_mask, other=0.0).to(tl.float32)
     state = tl.where(live, state, 0.0)
     A = -tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
     D = tl.load(D_ptr + head).to(tl.float32)
@@ -302,7 +315,7 @@ def _ssm_chunked_kernel(
         )
         weights = tl.exp(total - cum) * dt
         state = state * tl.exp(total) + tl.dot(tl.trans(x * weights[:, None]), B, input_precision=PRECISION)
-    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(state_ptr + index * stride_s_block + tile, state.to(state_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def ssm_scan(
@@ -315,6 +328,7 @@ def ssm_scan(
     D: torch.Tensor,
     ssm_states: torch.Tensor,
     query_start_loc: torch.Tensor,
+    initial_state_indices: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     decode: bool = False,
@@ -346,6 +360,7 @@ def ssm_scan(
         ssm_states,
         y,
         query_start_loc,
+        initial_state_indices,
         state_indices,
         has_initial_state,
         x.stride(0),
@@ -360,6 +375,7 @@ def ssm_scan(
         ssm_states.stride(2),
         y.stride(0),
         y.stride(1),
+        initial_state_indices.stride(0),
         state_indices.stride(0),
         head_dim,
         state_size,

@@ -161,14 +161,16 @@ class MambaMixer2(nn.Module):
         low, high = shape.time_step_limit
         self._clamp_dt = low > 0.0 or not math.isinf(high)
 
-    def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> MambaSpec:
-        """The state keeps the model's dtype whatever the KV cache's (`dtype`)."""
+    def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype, checkpoints: bool = False) -> MambaSpec:
+        """The state keeps the model's dtype whatever the KV cache's (`dtype`); `checkpoints`:
+        one at every block boundary (mamba_cache_mode "align")."""
         shape = self.shape
         return MambaSpec(
             block_size,
             conv_shape=(shape.conv_dim, shape.conv_kernel - 1),
             ssm_shape=(shape.num_heads, shape.head_dim, shape.state_size),
             dtype=self.state_dtype,
+            checkpoints=checkpoints,
         )
 
     def state_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +195,12 @@ class MambaMixer2(nn.Module):
         num_tokens = hidden_states.shape[0]
         projected = self.in_proj(hidden_states)
         gate, xbc, dt = projected.split([shape.intermediate_size, shape.conv_dim, shape.num_heads], dim=-1)
-        rows = (metadata.query_start_loc, metadata.state_indices, metadata.has_initial_state)
+        rows = (
+            metadata.query_start_loc,
+            metadata.initial_state_indices,
+            metadata.state_indices,
+            metadata.has_initial_state,
+        )
         weight = self.conv1d.weight.view(shape.conv_dim, shape.conv_kernel)
         group_state = shape.num_groups * shape.state_size
         if use_kernels(hidden_states):
