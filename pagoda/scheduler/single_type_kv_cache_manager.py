@@ -213,7 +213,7 @@ class MambaManager(SingleTypeKVCacheManager):
 
     The state at a block boundary is gone once later tokens ran, so no block is ever
     registered in the prefix cache and nothing hits (the `KVCacheManager` turns caching off
-    for a model with a state group). A preempted request frees its block and recomputes its
+    for a model with such a group; `MambaCheckpointManager` keeps states to hit). A preempted request frees its block and recomputes its
     state from the first token when it resumes."""
 
     def num_blocks_to_allocate(self, req_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]) -> int:

@@ -150,15 +150,25 @@ def test_models_match_hf(tiny_model, target) -> None:
     check_against_hf(llm, hf_model, prompts)
 
 
-def test_preemption_recomputes_the_state(tiny_model, target) -> None:
-    """A pool too small for every request at once: preempted requests free their state block and
-    recompute it when they resume."""
+@pytest.mark.parametrize("mode", ["none", "align"])
+def test_preemption_recomputes_the_state(tiny_model, target, mode: str) -> None:
+    """A pool too small for every request at once: preempted requests free their state blocks and
+    recompute the state when they resume (with checkpoints: from a cached one where it survived)."""
     path, hf_model = tiny_model
     if hf_model.config.model_type != "bamba":
         pytest.skip("a pure Mamba-2 request never grows past its one block: nothing preempts")
     # A request holds 2 state blocks and 1-2 attention blocks of 96 tokens (their page is the
-    # state's): 7 usable blocks admit two, whose second attention blocks do not both fit.
-    llm = LLM(model=path, num_gpu_blocks=8, max_num_batched_tokens=32, max_num_seqs=4, **ENGINE, **target)
+    # state's), with checkpoints 2 more while it crosses a boundary: 7 usable blocks admit two,
+    # whose second attention blocks do not both fit.
+    llm = LLM(
+        model=path,
+        num_gpu_blocks=8,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        mamba_cache_mode=mode,
+        **ENGINE,
+        **target,
+    )
     check_against_hf(llm, hf_model, make_prompts(1, 3, lengths=(88, 110)))
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
 
@@ -245,26 +255,27 @@ def _greedy_fields() -> dict:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernels run on the CPU only under TRITON_INTERPRET=1")
-def test_triton_kernels_end_to_end_match_hf(tiny_model, monkeypatch) -> None:
+@pytest.mark.parametrize("mode", ["none", "align"])
+def test_triton_kernels_end_to_end_match_hf(tiny_model, monkeypatch, mode: str) -> None:
     """The engine on the CPU with the mixers' Triton kernels interpreted: chunked prefill (rows
-    with and without a state), decode batches; the same tokens and logprobs as HF."""
+    with and without a state), decode batches, with checkpoints a prompt run twice (the second
+    resumes from a cached checkpoint); the same tokens and logprobs as HF."""
     from pagoda.model.layers.mamba import mixer
 
     monkeypatch.setattr(mixer, "use_kernels", lambda x: True)
     path, hf_model = tiny_model
-    llm = LLM(
-        model=path,
-        device="cpu",
-        dtype="float32",
-        num_gpu_blocks=64,
-        max_num_batched_tokens=16,
-        max_num_seqs=2,
-        **ENGINE,
-    )
-    prompts = make_prompts(3, 2)
-    outputs = llm.generate(prompts, SamplingParams(**{**_greedy_fields(), "max_tokens": 6}), use_tqdm=False)
-    for prompt, output in zip(prompts, outputs, strict=True):
+    settings = {**CHECKPOINTED, "mamba_cache_mode": mode}
+    llm = LLM(model=path, device="cpu", dtype="float32", num_gpu_blocks=64, max_num_batched_tokens=16, **settings)
+    if mode == "none":
+        prompts = make_prompts(3, 2)
+    else:
+        prompts = make_prompts(3, 1, lengths=(97, 100)) * 2
+    params = SamplingParams(**{**_greedy_fields(), "max_tokens": 6})
+    for prompt in prompts:
+        (output,) = llm.generate([prompt], params, use_tqdm=False)
         check_sample(hf_model, prompt, output.outputs[0])
+    if mode == "align":
+        assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_hits > 0
     llm.llm_engine.check_idle()
 
 

@@ -86,3 +86,34 @@ def test_one_state_block_per_request_freed_on_finish_and_preemption(hybrid: bool
         manager.check_idle()
     manager.free(first)
     manager.check_idle()
+
+
+def test_checkpoints_cache_a_state_per_block_and_hit_at_their_ends() -> None:
+    """mamba_cache_mode "align": steps are cut at block boundaries, a request holds at most the
+    block it reads and the one it writes, passed blocks are cached, and a request with the same
+    prefix resumes from the checkpoint at the end of its longest cached whole-block prefix."""
+    spec = MambaSpec(BLOCK_SIZE, conv_shape=(24, 3), ssm_shape=(4, 8, 16), dtype=torch.float32, checkpoints=True)
+    manager = KVCacheManager(kv_cache_config(16, BLOCK_SIZE, {"layers.0": spec}), enable_caching=True)
+    assert manager.enable_caching
+    assert manager.cap_at_checkpoint(0, 10) == 4 and manager.cap_at_checkpoint(5, 10) == 3
+    assert manager.cap_at_checkpoint(6, 1) == 1
+    first = request("a", 14)
+    manager.update_block_hashes(first)
+    manager.allocate_slots(first, 4, tuple([] for _ in manager.managers))
+    while first.num_computed_tokens < 14:
+        first.num_computed_tokens += manager.cap_at_checkpoint(first.num_computed_tokens, 14)
+        manager.cache_blocks(first, first.num_computed_tokens)
+        if first.num_computed_tokens < 14:
+            assert manager.allocate_slots(first, manager.cap_at_checkpoint(first.num_computed_tokens, 14)) is not None
+        assert manager.num_held_blocks(first)[0] <= 2
+    second = request("b", 14)  # the same 14 tokens
+    manager.update_block_hashes(second)
+    hits, num_hit = manager.get_computed_blocks(second)
+    # 13 tokens may hit: whole blocks of 4 -> 12, resumed from the checkpoint after token 12 alone.
+    assert num_hit == 12
+    null = manager.block_pool.null_block
+    assert hits[0][:2] == [null, null] and hits[0][2] is not null
+    manager.free(first)
+    assert manager.allocate_slots(second, 2, hits) is not None
+    manager.free(second)
+    manager.check_idle()

@@ -1,7 +1,10 @@
 """What a state-space layer reads each step: the common attention metadata of its KV-cache group
-plus, per request row, the block holding its state and whether that state is live.
+plus, per request row, the blocks its state is read from and written to and whether it is live.
 
-A request's state lives in the one block its `MambaSpec` group gives it (block table column 0).
+This is where the seed's `preprocess_mamba` ("copy the state to the current position") lives:
+a request's state is in the one block its `MambaSpec` group gives it (block table column 0),
+or with checkpoints in the block of its latest token, and a step that starts a new checkpoint
+block reads the previous block and writes the new one (the copy, fused into the kernels).
 `has_initial_state` is false for a request whose first token runs this step (admitted, or
 resumed after preemption with its state recomputed): its block may hold a stale state, which
 the kernels then ignore instead of zeroing the block first. Both are views of static device
