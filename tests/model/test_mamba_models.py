@@ -266,10 +266,8 @@ def test_triton_kernels_end_to_end_match_hf(tiny_model, monkeypatch, mode: str) 
     path, hf_model = tiny_model
     settings = {**CHECKPOINTED, "mamba_cache_mode": mode}
     llm = LLM(model=path, device="cpu", dtype="float32", num_gpu_blocks=64, max_num_batched_tokens=16, **settings)
-    if mode == "none":
-        prompts = make_prompts(3, 2)
-    else:
-        prompts = make_prompts(3, 1, lengths=(97, 100)) * 2
+    # With checkpoints one prompt twice: the second run resumes from the first's checkpoint.
+    prompts = make_prompts(3, 2) if mode == "none" else make_prompts(3, 1, lengths=(97, 100)) * 2
     params = SamplingParams(**{**_greedy_fields(), "max_tokens": 6})
     for prompt in prompts:
         (output,) = llm.generate([prompt], params, use_tqdm=False)
