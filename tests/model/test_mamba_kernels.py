@@ -36,11 +36,12 @@ def _batch(query_lens: list[int], live: list[bool], device: str, num_blocks: int
     return starts.to(device), read.to(device), written.to(device), torch.tensor(live, device=device)
 
 
-# (query lens, has state): prefills longer than a chunk (32), decodes, an empty padding row.
+# (query lens, has state): prefills longer than a scan chunk (32) and a conv span (64), decodes,
+# an empty padding row, a row of fewer tokens than the conv's history.
 BATCHES = [
     ([1, 1, 1], [True, False, True]),
-    ([40, 1, 0, 7], [False, True, False, True]),
-    ([70], [True]),
+    ([40, 1, 0, 2], [False, True, False, True]),
+    ([130], [True]),
 ]
 
 
@@ -60,7 +61,7 @@ def test_causal_conv1d_matches_reference(query_lens, live, kernel) -> None:
     rows = _batch(query_lens, live, device, num_blocks)
     ref_states = states.cpu().clone()
     expected = causal_conv1d_ref(x.cpu(), weight.cpu(), bias.cpu(), ref_states, *[r.cpu() for r in rows])
-    out = causal_conv1d(x, weight, bias, states, *rows)
+    out = causal_conv1d(x, weight, bias, states, *rows, decode=max(query_lens) == 1)
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states.cpu(), ref_states, atol=1e-6, rtol=0)
 

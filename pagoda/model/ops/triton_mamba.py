@@ -5,8 +5,9 @@ of a CUDA graph, do nothing); its state is read at index initial_state_indices[r
 has_initial_state[r] (else taken as zeros) and written at state_indices[r]. Every loop bound comes from these device tensors, so
 a graph captured on one batch replays any other of its size.
 
-- `causal_conv1d`: depthwise causal conv + SiLU; one program per (row, channel block) walks the
-  row's tokens keeping the last K - 1 inputs in registers (K <= 4), and leaves them as the state.
+- `causal_conv1d`: depthwise causal conv + SiLU; programs per (row, channel block, split) walk
+  spans of the row's tokens keeping the last K - 1 inputs in registers (K <= 4); the last K - 1
+  inputs become the state.
 - `ssm_scan`: the selective scan. Prefill chunks (and mixed batches) take the chunked form
   (SSD): per (row, head, head_dim block), chunks of CHUNK tokens, within a chunk
   y = ((C B^T) * exp(segsum(dt A)) * dt) x + exp(cumsum) C h, and h carried across chunks, all
@@ -24,11 +25,28 @@ import triton.language as tl
 MAX_CONV_KERNEL = 4
 # Tokens per chunk of the chunked scan (its intra-chunk matrices are CHUNK x CHUNK).
 CHUNK = 32
+# The conv walks a row in spans of CONV_SPAN tokens, CONV_SPLITS programs per row and channel
+# block (a fixed count, so a captured graph replays any row lengths).
+CONV_SPAN = 64
+CONV_SPLITS = 16
 
 
 @triton.jit
 def _softplus(x):
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _load_history(x_ptr, stride_x, t, d, mask, K: tl.constexpr):
+    """x[t - 3], x[t - 2], x[t - 1] (the last K - 1 of them; zeros for the rest) as float32."""
+    h1 = tl.zeros(d.shape, dtype=tl.float32)
+    h2 = tl.zeros(d.shape, dtype=tl.float32)
+    h3 = tl.load(x_ptr + (t - 1) * stride_x + d, mask=mask, other=0.0).to(tl.float32)
+    if K >= 3:
+        h2 = tl.load(x_ptr + (t - 2) * stride_x + d, mask=mask, other=0.0).to(tl.float32)
+    if K >= 4:
+        h1 = tl.load(x_ptr + (t - 3) * stride_x + d, mask=mask, other=0.0).to(tl.float32)
+    return h1, h2, h3
 
 
 @triton.jit
@@ -52,55 +70,73 @@ def _causal_conv1d_kernel(
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SPAN: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0)
     start = tl.load(qsl_ptr + row)
     end = tl.load(qsl_ptr + row + 1)
     if end == start:
         return
+    split = tl.program_id(2)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = d < dim
-    read = tl.load(read_idx_ptr + row * stride_read_idx).to(tl.int64)
-    index = tl.load(idx_ptr + row * stride_idx).to(tl.int64)
     live = tl.load(live_ptr + row) != 0
+    read = tl.load(read_idx_ptr + row * stride_read_idx).to(tl.int64)
     state = state_ptr + read * stride_state_block + d * stride_state_dim
-    # A stale state (a request's first step) is read and discarded: zeros instead.
-    # h3 is the newest input before the row's first token, h1 the oldest (K = 4).
-    h1 = tl.zeros([BLOCK_D], dtype=tl.float32)
-    h2 = tl.zeros([BLOCK_D], dtype=tl.float32)
-    h3 = tl.where(live, tl.load(state + (K - 2), mask=mask, other=0.0).to(tl.float32), 0.0)
+    # The state's inputs before the row's first token (zeros for a request's first step, whose
+    # block may hold a stale state): h3 the newest, h1 the oldest (K = 4).
+    s1 = tl.zeros([BLOCK_D], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_D], dtype=tl.float32)
+    s3 = tl.where(live, tl.load(state + (K - 2), mask=mask, other=0.0).to(tl.float32), 0.0)
     w3 = tl.load(w_ptr + d * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + d * K + (K - 2), mask=mask, other=0.0).to(tl.float32)
     w1 = tl.zeros([BLOCK_D], dtype=tl.float32)
     w0 = tl.zeros([BLOCK_D], dtype=tl.float32)
     if K >= 3:
-        h2 = tl.where(live, tl.load(state + (K - 3), mask=mask, other=0.0).to(tl.float32), 0.0)
+        s2 = tl.where(live, tl.load(state + (K - 3), mask=mask, other=0.0).to(tl.float32), 0.0)
         w1 = tl.load(w_ptr + d * K + (K - 3), mask=mask, other=0.0).to(tl.float32)
     if K >= 4:
-        h1 = tl.where(live, tl.load(state + (K - 4), mask=mask, other=0.0).to(tl.float32), 0.0)
+        s1 = tl.where(live, tl.load(state + (K - 4), mask=mask, other=0.0).to(tl.float32), 0.0)
         w0 = tl.load(w_ptr + d * K + (K - 4), mask=mask, other=0.0).to(tl.float32)
     bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    x_row = x_ptr + start.to(tl.int64) * stride_x + d
-    out_row = out_ptr + start.to(tl.int64) * stride_out + d
-    for _ in range(start, end):
-        x = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)
-        acc = bias + w0 * h1 + w1 * h2 + w2 * h3 + w3 * x
-        y = acc / (1.0 + tl.exp(-acc))
-        tl.store(out_row, y.to(out_ptr.dtype.element_ty), mask=mask)
-        x_row += stride_x
-        out_row += stride_out
-        h1 = h2
-        h2 = h3
-        h3 = x
-    dtype = state_ptr.dtype.element_ty
-    state = state_ptr + index * stride_state_block + d * stride_state_dim
-    tl.store(state + (K - 2), h3.to(dtype), mask=mask)
-    if K >= 3:
-        tl.store(state + (K - 3), h2.to(dtype), mask=mask)
-    if K >= 4:
-        tl.store(state + (K - 4), h1.to(dtype), mask=mask)
+    h1, h2, h3 = s1, s2, s3
+    # Spans of SPAN tokens, span j to split j % NUM_SPLITS; each walks its tokens keeping the last
+    # K - 1 inputs in registers, starting from the state (span 0) or the inputs before it.
+    num_spans = tl.cdiv(end - start, SPAN)
+    for span in range(split, num_spans, NUM_SPLITS):
+        first = start.to(tl.int64) + span * SPAN
+        if span == 0:
+            h1, h2, h3 = s1, s2, s3
+        else:
+            h1, h2, h3 = _load_history(x_ptr, stride_x, first, d, mask, K)
+        x_row = x_ptr + first * stride_x + d
+        out_row = out_ptr + first * stride_out + d
+        for _ in range(first, tl.minimum(first + SPAN, end)):
+            x = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)
+            acc = bias + w0 * h1 + w1 * h2 + w2 * h3 + w3 * x
+            y = acc / (1.0 + tl.exp(-acc))
+            tl.store(out_row, y.to(out_ptr.dtype.element_ty), mask=mask)
+            x_row += stride_x
+            out_row += stride_out
+            h1 = h2
+            h2 = h3
+            h3 = x
+    # The state after the row: split 0 writes it, after its own read of the previous state
+    # (the same block, unless a checkpoint starts), from its registers when the row is one span.
+    if split == 0:
+        if num_spans > 1:
+            h1, h2, h3 = _load_history(x_ptr, stride_x, end.to(tl.int64), d, mask, K)
+        dtype = state_ptr.dtype.element_ty
+        index = tl.load(idx_ptr + row * stride_idx).to(tl.int64)
+        state = state_ptr + index * stride_state_block + d * stride_state_dim
+        tl.store(state + (K - 2), h3.to(dtype), mask=mask)
+        if K >= 3:
+            tl.store(state + (K - 3), h2.to(dtype), mask=mask)
+        if K >= 4:
+            tl.store(state + (K - 4), h1.to(dtype), mask=mask)
 
 
 def causal_conv1d(
@@ -112,9 +148,11 @@ def causal_conv1d(
     initial_state_indices: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
+    decode: bool = False,
 ) -> torch.Tensor:
     """SiLU(causal conv) of x [T, D] (unit column stride) by weight [D, K]; conv_states [blocks, D,
-    K - 1] (unit last stride) updated in place. Returns [T, D] contiguous, in x's dtype."""
+    K - 1] (unit last stride) updated in place. Returns [T, D] contiguous, in x's dtype. `decode`:
+    no row has more than one token (one program per row and channel block)."""
     num_tokens, dim = x.shape
     kernel = weight.shape[1]
     if not 2 <= kernel <= MAX_CONV_KERNEL:
@@ -124,7 +162,8 @@ def causal_conv1d(
     out = torch.empty(num_tokens, dim, dtype=x.dtype, device=x.device)
     rows = state_indices.shape[0]
     block_d = min(256, triton.next_power_of_2(dim))
-    _causal_conv1d_kernel[(rows, triton.cdiv(dim, block_d))](
+    splits = 1 if decode else CONV_SPLITS
+    _causal_conv1d_kernel[(rows, triton.cdiv(dim, block_d), splits)](
         x,
         weight,
         bias if bias is not None else weight,
@@ -144,6 +183,8 @@ def causal_conv1d(
         K=kernel,
         HAS_BIAS=bias is not None,
         BLOCK_D=block_d,
+        SPAN=CONV_SPAN,
+        NUM_SPLITS=splits,
     )
     return out
 

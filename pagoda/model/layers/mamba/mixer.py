@@ -206,7 +206,8 @@ class MambaMixer2(nn.Module):
         if use_kernels(hidden_states):
             from pagoda.model.ops.triton_mamba import causal_conv1d, ssm_scan
 
-            xbc = causal_conv1d(xbc, weight, self.conv1d.bias, conv_states, *rows)
+            decode = metadata.max_query_len == 1
+            xbc = causal_conv1d(xbc, weight, self.conv1d.bias, conv_states, *rows, decode=decode)
             x, B, C = xbc.split([shape.intermediate_size, group_state, group_state], dim=-1)
             y = ssm_scan(
                 x.view(num_tokens, shape.num_heads, shape.head_dim),
@@ -218,7 +219,7 @@ class MambaMixer2(nn.Module):
                 self.D,
                 ssm_states,
                 *rows,
-                decode=metadata.max_query_len == 1,
+                decode=decode,
                 dt_limit=shape.time_step_limit if self._clamp_dt else None,
             )
         else:
