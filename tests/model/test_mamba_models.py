@@ -217,7 +217,7 @@ def test_prefix_cache_hits_resume_from_checkpoints(tiny_model, target) -> None:
     llm = LLM(model=path, num_gpu_blocks=128, max_num_batched_tokens=32, **CHECKPOINTED, **target)
     kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
     assert kv.enable_caching
-    prompts = make_prompts(5, 3, lengths=(100, 120))
+    prompts = make_prompts(5, 2, lengths=(100, 120))
     check_against_hf(llm, hf_model, prompts)
     hits_before = kv.prefix_cache_hits
     check_against_hf(llm, hf_model, prompts)
@@ -259,7 +259,10 @@ def _greedy_fields() -> dict:
 def test_triton_kernels_end_to_end_match_hf(tiny_model, monkeypatch, mode: str) -> None:
     """The engine on the CPU with the mixers' Triton kernels interpreted: chunked prefill (rows
     with and without a state), decode batches, with checkpoints a prompt run twice (the second
-    resumes from a cached checkpoint); the same tokens and logprobs as HF."""
+    resumes from a cached checkpoint); the same tokens and logprobs as HF. Interpreted kernels
+    are slow: the hybrid runs without checkpoints, Mamba-2 with them."""
+    if (mode == "align") != (tiny_model[1].config.model_type == "mamba2"):
+        pytest.skip("one mode per model (CI time)")
     from pagoda.model.layers.mamba import mixer
 
     monkeypatch.setattr(mixer, "use_kernels", lambda x: True)
