@@ -291,17 +291,18 @@ class GPUModelRunner:
         return layers + (self.drafter.layers if self.drafter is not None else [])
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """{layer name: what it keeps in the KV cache}, as the layers declare it, in model order:
-        attention layers and state-space layers (`MambaMixer2`) alike."""
+        """{layer name: what it keeps in the KV cache}, as the layers declare it: the attention
+        layers (the drafter's included), then the state-space layers (`MambaMixer2`)."""
         assert self.model is not None
-        checkpoints = self.cache_config.mamba_cache_mode == "align"
-        return {
-            layer.layer_name: layer.get_kv_cache_spec(self.block_size, self.kv_cache_dtype, checkpoints)
-            if isinstance(layer, MambaMixer2)
-            else layer.get_kv_cache_spec(self.block_size, self.kv_cache_dtype)
-            for layer in self.model.modules()
-            if isinstance(layer, (Attention, MambaMixer2))
+        specs: dict[str, KVCacheSpec] = {
+            layer.layer_name: layer.get_kv_cache_spec(self.block_size, self.kv_cache_dtype)
+            for layer in self._attention_layers()
         }
+        checkpoints = self.cache_config.mamba_cache_mode == "align"
+        for layer in self.model.modules():
+            if isinstance(layer, MambaMixer2):
+                specs[layer.layer_name] = layer.get_kv_cache_spec(self.block_size, self.kv_cache_dtype, checkpoints)
+        return specs
 
     def _init_kv_cache_groups(self, kv_cache_config: KVCacheConfig) -> None:
         """Per group: a metadata builder, a slot-mapping buffer and a block table (in the batch)."""
