@@ -150,33 +150,39 @@ class ModelConfig:
         return getattr(self.hf_config, "model_type", None) in STATE_SPACE_MODEL_TYPES
 
     @property
+    def text_config(self) -> Any:
+        """The decoder's config: the HF config itself, or a vision-language model's `text_config`."""
+        get_text_config = getattr(self.hf_config, "get_text_config", None)
+        return get_text_config() if get_text_config is not None else self.hf_config
+
+    @property
     def num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
+        return self.text_config.num_hidden_layers
 
     @property
     def num_attention_heads(self) -> int:
         """Query heads; an attention-free Mamba-2 model's SSM heads (what tensor parallelism would split)."""
-        heads = getattr(self.hf_config, "num_attention_heads", None)
-        return heads if heads is not None else self.hf_config.num_heads
+        heads = getattr(self.text_config, "num_attention_heads", None)
+        return heads if heads is not None else self.text_config.num_heads
 
     @property
     def num_kv_heads(self) -> int:
-        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
+        return getattr(self.text_config, "num_key_value_heads", None) or self.num_attention_heads
 
     @property
     def head_size(self) -> int:
-        head_dim = getattr(self.hf_config, "head_dim", None)
-        return head_dim or self.hf_config.hidden_size // self.num_attention_heads
+        head_dim = getattr(self.text_config, "head_dim", None)
+        return head_dim or self.text_config.hidden_size // self.num_attention_heads
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.text_config.vocab_size
 
     @property
     def derived_max_model_len(self) -> int:
         """The model's position limit; an attention-free model (Mamba-2: no positions) has none,
         so STATE_SPACE_MAX_MODEL_LEN."""
-        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        limit = getattr(self.text_config, "max_position_embeddings", None)
         if limit is None and getattr(self.hf_config, "model_type", None) in ATTENTION_FREE_MODEL_TYPES:
             return STATE_SPACE_MAX_MODEL_LEN
         return int(limit or 2048)
@@ -246,6 +252,11 @@ class SchedulerConfig:
     # Cascade attention (pagoda/attention/cascade.py): requests sharing leading KV blocks read them
     # once per step together, where that pays; True always runs plain attention.
     disable_cascade_attn: bool = False
+    # Multimodal models: encoder output tokens (image placeholders) one step may compute; None: the
+    # step's token budget. `encoder_cache_size`: encoder output tokens the runner keeps for reuse by
+    # later requests with the same image once no running request holds them; None: the same.
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

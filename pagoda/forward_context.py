@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from pagoda.attention.metadata import AttentionMetadata
     from pagoda.worker.kv_connector.base import KVConnector
+    from pagoda.multimodal.inputs import MultiModalEmbeddings
 
 
 @dataclass(frozen=True)
@@ -26,3 +27,5 @@ class ForwardContext:
     # A layer-wise KV connector, in eager steps that carry its jobs: each attention layer waits
     # for its load before and hands it what it wrote after (None otherwise, and in graphs).
     kv_connector: KVConnector | None = None
+    # Encoder outputs (images) to write over the token embeddings at their placeholders; None: none this step.
+    mm_embeddings: MultiModalEmbeddings | None = None

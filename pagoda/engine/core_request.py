@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import MultiModalFeatureSpec
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -35,6 +36,8 @@ class EngineCoreRequest:
     pooling_params: PoolingParams | None = None
     # The LoRA adapter to run with (checked against the model by the processor); None: the base model.
     lora_request: LoRARequest | None = None
+    # The prompt's images, processed and hashed, in placeholder order (see pagoda/multimodal).
+    mm_features: tuple[MultiModalFeatureSpec, ...] = ()
 
     def __post_init__(self) -> None:
         # Plain immutable containers, whatever sequence the caller passed.

@@ -16,17 +16,24 @@ from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.errors import InvalidRequestError
 from pagoda.lora.checker import LoRARequestChecker
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.image import MediaLimits
+from pagoda.multimodal.inputs import MultiModalFeatureSpec
 from pagoda.pooling import processing as pooling
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.spec import GrammarSpec
 
-PromptType = str | list[int]
+# A dict is vLLM's prompt shape: {"prompt" or "prompt_token_ids", "multi_modal_data": {"image": ...}}.
+PromptType = str | list[int] | dict
 
 
 class Processor:
     def __init__(
-        self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: set[int]
+        self,
+        config: EngineConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+        eos_token_ids: set[int],
+        media_limits: MediaLimits | None = None,
     ) -> None:
         self.model_config = config.model_config
         self.max_model_len = config.model_config.max_model_len
@@ -38,6 +45,8 @@ class Processor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.lora_checker = LoRARequestChecker(config.lora_config, config.model_config.hf_config)
+        self.media_limits = media_limits or MediaLimits()
+        self._mm_processor = None  # made with the first multimodal prompt (see pagoda/multimodal)
 
     def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         """Text to token ids, special-token text (`<|im_start|>`, ...) kept as plain text so a
@@ -73,10 +82,16 @@ class Processor:
             self.lora_checker.check(lora_request)
         if isinstance(params, PoolingParams):
             return self._process_pooling(request_id, prompt, params, cache_salt)
-        prompt_text, prompt_token_ids = self.tokenize(prompt)
+        mm_features: list[MultiModalFeatureSpec] = []
+        if isinstance(prompt, dict):
+            prompt_text, prompt_token_ids, mm_features = self._process_multimodal(prompt)
+        else:
+            prompt_text, prompt_token_ids = self.tokenize(prompt)
         self._check_token_ids("prompt", prompt_token_ids)
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "prompt must not be empty")
+        if mm_features and params.truncate_prompt_tokens is not None:
+            raise InvalidRequestError("truncate_prompt_tokens", "truncate_prompt_tokens would cut image placeholders")
         if params.truncate_prompt_tokens is not None:
             if params.truncate_prompt_tokens >= self.max_model_len:
                 raise InvalidRequestError(
@@ -118,8 +133,25 @@ class Processor:
             arrival_time=time.time(),
             cache_salt=cache_salt,
             lora_request=lora_request,
+            mm_features=tuple(mm_features),
         )
         return request, prompt_text
+
+    def _process_multimodal(self, prompt: dict) -> tuple[str | None, list[int], list[MultiModalFeatureSpec]]:
+        """A prompt dict: its images decoded, processed and hashed, their placeholders expanded."""
+        from pagoda.multimodal.processing import MultiModalProcessor, is_multimodal
+
+        if not prompt.get("multi_modal_data"):
+            text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+            return *self.tokenize(text), []
+        if not is_multimodal(self.model_config.hf_config):
+            raise InvalidRequestError("multi_modal_data", "this model takes no images: send a text prompt")
+        if self._mm_processor is None:
+            self._mm_processor = MultiModalProcessor(self.model_config, self.media_limits)
+        image_text = None
+        if self.tokenizer is not None:
+            image_text = self.tokenizer.convert_ids_to_tokens(self._mm_processor.placeholders.image_token_id)
+        return self._mm_processor.process_prompt(prompt, lambda text, special: self.encode(text, special), image_text)
 
     def _process_pooling(
         self, request_id: str, prompt: PromptType, params: PoolingParams, cache_salt: str | None

@@ -209,7 +209,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):

@@ -25,6 +25,7 @@ _MODEL_CLASSES: dict[str, str] = {
     "BertModel": "pagoda.model.models.bert:BertModel",
     "Mamba2ForCausalLM": "pagoda.model.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "pagoda.model.models.bamba:BambaForCausalLM",
+    "LlavaForConditionalGeneration": "pagoda.model.models.llava:LlavaForConditionalGeneration",
 }
 
 # For configs that name no architecture (saved from a bare config object): HF model_type -> name.
@@ -40,6 +41,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "bert": "BertModel",
     "mamba2": "Mamba2ForCausalLM",
     "bamba": "BambaForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
 }
 
 

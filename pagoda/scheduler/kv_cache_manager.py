@@ -24,6 +24,7 @@ import struct
 from collections.abc import Sequence
 
 from pagoda.kv_cache_interface import KVCacheConfig, MambaSpec
+from pagoda.multimodal.hashing import block_mm_keys
 from pagoda.scheduler.block_pool import BlockHash, BlockPool, KVCacheBlock
 from pagoda.scheduler.output import BlockIds
 from pagoda.scheduler.request import Request
@@ -148,7 +149,11 @@ class KVCacheManager:
         tokens = request.all_token_ids
         parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
         for i in range(len(hashes), num_full):
-            parent = hash_block_tokens(parent, tokens[i * size : (i + 1) * size], extra_keys)
+            keys = extra_keys
+            if request.mm_features:  # the images whose placeholders the block covers; 0xFF, never in
+                # UTF-8, ends the salt, so no salt can pass for image keys
+                keys += b"\xff" + block_mm_keys(request.mm_features, i * size, (i + 1) * size)
+            parent = hash_block_tokens(parent, tokens[i * size : (i + 1) * size], keys)
             hashes.append(parent)
 
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:

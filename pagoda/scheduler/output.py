@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pagoda.kv_transfer.interface import KVConnectorMetadata
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import MultiModalFeatureSpec
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -28,6 +29,8 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None
     # The adapter the request runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # The prompt's images (their pixels and hashes); the runner keeps them until the request ends.
+    mm_features: tuple[MultiModalFeatureSpec, ...] = ()
 
 
 @dataclass
@@ -71,6 +74,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # The KV connector's jobs for this step (None: no connector, or nothing to move or wait for).
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # req_id -> indices (into its mm_features) of the images whose encoder runs this step.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -18,6 +18,7 @@ from pagoda.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagoda.engine.core_request import EngineCoreRequest
     from pagoda.lora.request import LoRARequest
+    from pagoda.multimodal.inputs import MultiModalFeatureSpec
 
 
 class Request:
@@ -40,6 +41,7 @@ class Request:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: Sequence[MultiModalFeatureSpec] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -51,6 +53,9 @@ class Request:
         self.pooling_params = pooling_params
         # Its LoRA adapter: keys its prefix-cache blocks and counts toward max_loras per step.
         self.lora_request = lora_request
+        # The prompt's images in placeholder order: their encoder runs are scheduled with the
+        # prompt chunk that first needs them, and their hashes key the blocks they cover.
+        self.mm_features = tuple(mm_features)
         # None: generate until max_model_len.
         self.max_tokens = sampling_params.max_tokens
 
@@ -83,6 +88,7 @@ class Request:
             cache_salt=request.cache_salt,
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
+            mm_features=request.mm_features,
         )
 
     @property

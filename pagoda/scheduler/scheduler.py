@@ -49,6 +49,7 @@ from collections.abc import Iterable
 from pagoda.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagoda.kv_cache_interface import KVCacheConfig
 from pagoda.kv_transfer.factory import make_scheduler_connector
+from pagoda.multimodal.scheduling import EncoderScheduler
 from pagoda.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput, RequestStatus, SchedulerStats
 from pagoda.scheduler.kv_cache_manager import KVCacheManager
 from pagoda.scheduler.output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
@@ -97,6 +98,8 @@ class Scheduler:
             if connector is not None
             else None
         )
+        # Images' encoder runs: scheduled with the chunk that first needs them, within a budget.
+        self.encoder_scheduler = EncoderScheduler(scheduler_config.max_num_encoder_input_tokens or budget)
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -151,6 +154,8 @@ class Scheduler:
                 f"request {request.request_id!r} may need {num_blocks} KV cache blocks "
                 f"(prompt + max_tokens up to {max_len} tokens), the pool has {usable}"
             )
+        if request.mm_features:
+            self.encoder_scheduler.check_fits(request.request_id, request.mm_features)
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -210,6 +215,9 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs = CachedRequestData()
         preempted_req_ids: set[str] = set()
+        encoder = self.encoder_scheduler
+        encoder.begin_step()
+        encoder_inputs: dict[str, list[int]] = {}
 
         spec_tokens: dict[str, list[int]] = {}
         proposals = self._propose() if self.num_speculative_tokens else {}
@@ -225,6 +233,11 @@ class Scheduler:
             num_new = kv.cap_at_checkpoint(
                 request.num_computed_tokens, min(self._num_tokens_to_compute(request), budget)
             )
+            images: list[int] = []
+            if request.mm_features:
+                num_new, images = encoder.inputs_for_chunk(
+                    request.request_id, request.mm_features, request.num_computed_tokens, num_new
+                )
             if num_new == 0 or (self.pipeline_parallel and request.num_pending_tokens):
                 index += 1
                 continue
@@ -253,6 +266,9 @@ class Scheduler:
             scheduled.append(request)
             budget -= num_new
             index += 1
+            if images:
+                encoder.commit(request.request_id, request.mm_features, images)
+                encoder_inputs[request.request_id] = images
 
         # After a preemption the pool is full: admitting more would only thrash. Requests whose
         # grammar still compiles are passed over (they keep their place), the others go in order.
@@ -305,6 +321,13 @@ class Scheduler:
                 if not self.enable_chunked_prefill or one_pass:
                     break
                 num_new = budget
+            images = []
+            if request.mm_features:
+                num_new, images = encoder.inputs_for_chunk(
+                    request.request_id, request.mm_features, num_hit_tokens, num_new
+                )
+                if num_new == 0:
+                    break  # its next image waits for the next step's encoder budget
             lookahead = self._draft_lookahead(request, num_hit_tokens + num_new)
             if kv.allocate_slots(request, num_new + lookahead, hit_blocks) is None and (
                 not lookahead or kv.allocate_slots(request, num_new, hit_blocks) is None
@@ -329,6 +352,7 @@ class Scheduler:
                         num_computed_tokens=num_hit_tokens,
                         pooling_params=request.pooling_params,
                         lora_request=request.lora_request,
+                        mm_features=request.mm_features,
                     )
                 )
             request.status = RequestStatus.RUNNING
@@ -337,6 +361,9 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             scheduled.append(request)
             budget -= num_new
+            if images:
+                encoder.commit(request.request_id, request.mm_features, images)
+                encoder_inputs[request.request_id] = images
             filling.update(hashes[first_block : (num_hit_tokens + num_new) // kv.hash_block_size])
 
         for request in scheduled:
@@ -354,6 +381,7 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             freed_block_ids=kv.take_freed_block_ids(),
             preempted_req_ids=preempted_req_ids,
+            scheduled_encoder_inputs=encoder_inputs,
         )
         if self.remote_kv is not None:
             output.kv_connector_metadata = self.remote_kv.connector.build_connector_meta(output)
@@ -460,6 +488,7 @@ class Scheduler:
             "waiting": [r.request_id for r in self.waiting],
             "finished ids not yet reported": sorted(self._finished_req_ids),
             "n-gram proposer slots": self.proposer.req_ids if self.proposer is not None else [],
+            "encoder inputs": self.encoder_scheduler.req_ids,
         }
         left = {name: ids[:16] for name, ids in leftovers.items() if ids}
         if left:
@@ -592,6 +621,7 @@ class Scheduler:
         while (new_block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
             victim = self.running.pop()
             self.kv_cache_manager.free(victim)
+            self.encoder_scheduler.free(victim.request_id)
             if self.proposer is not None:
                 self.proposer.remove(victim.request_id)
             victim.status = RequestStatus.PREEMPTED
@@ -624,6 +654,7 @@ class Scheduler:
             self.remote_kv.release(request)
         else:
             self.kv_cache_manager.free(request)
+        self.encoder_scheduler.free(request.request_id)
         if self.proposer is not None:
             self.proposer.remove(request.request_id)
         del self.requests[request.request_id]

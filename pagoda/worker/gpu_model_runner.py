@@ -59,6 +59,7 @@ from pagoda.worker.tagged_memory import TaggedMemoryPool
 
 if TYPE_CHECKING:
     from pagoda.lora.manager import LoRAManager
+    from pagoda.multimodal.encoder_runner import EncoderRunner
     from pagoda.structured_output.pipeline import GrammarPipeline
     from pagoda.structured_output.state import GrammarState
 
@@ -224,13 +225,15 @@ class GPUModelRunner:
         # Where a later pipeline stage receives the previous stage's tensors (static: graphs read them).
         self._intermediate_buffers: IntermediateTensors | None = None
         if not self.is_first_stage:
-            hidden_size = self.model_config.hf_config.hidden_size
+            hidden_size = self.model_config.text_config.hidden_size
             self._intermediate_buffers = IntermediateTensors(
                 *(torch.zeros(self.max_num_tokens, hidden_size, dtype=self.dtype, device=device) for _ in range(2))
             )
         self.cudagraph_manager: CudaGraphManager | None = None
         # LoRA adapters' device slots and the step's per-token slot index (built with the model).
         self.lora_manager: LoRAManager | None = None
+        # Multimodal models (first pipeline stage): the images' encoder runs and cache (set by load_model).
+        self.encoder_runner: EncoderRunner | None = None
         # Structured output: the requests with a grammar, and what advances their grammars and
         # fills their masks off the step's critical path (made with the first one; nothing of
         # it runs while the set is empty).
@@ -275,6 +278,10 @@ class GPUModelRunner:
                 self.dtype,
                 use_triton=self.device.type == "cuda" or self.attn_backend.name == "triton",
             )
+        if self.is_first_stage and hasattr(self.model, "embed_multimodal"):
+            from pagoda.multimodal.encoder_runner import make_encoder_runner
+
+            self.encoder_runner = make_encoder_runner(self.model, self.scheduler_config, self.device)
         layers = self._attention_layers()
         self.cudagraph_manager = self._make_cudagraph_manager(
             min((layer.backend.cudagraph_support for layer in layers), default=CUDAGraphSupport.ALWAYS)
@@ -511,11 +518,13 @@ class GPUModelRunner:
         query_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
         query_lens[: num_tokens % num_reqs] += 1
         execution = BatchExecution(CUDAGraphMode.NONE, None, num_tokens, num_reqs)
+        # A step's images are encoded before its forward, and their outputs live through it.
+        encoder_outputs = self.encoder_runner.profile_outputs() if self.encoder_runner is not None else None
         with self._dummy_batch(query_lens, execution) as inputs:
             hidden = self._model_forward(inputs, self.intermediate_tensors(num_tokens))
             if self.is_last_stage and self.pooler is None:
                 self._sample(hidden, inputs)
-            del hidden
+            del hidden, encoder_outputs
 
     # ---- the seed's step -----------------------------------------------------------------
 
@@ -866,6 +875,10 @@ class GPUModelRunner:
         size above it; a batch larger than every graph runs eagerly, unpadded."""
         num_tokens = scheduler_output.total_num_scheduled_tokens
         num_reqs = len(scheduler_output.num_scheduled_tokens)
+        if self.encoder_runner is not None and self.encoder_runner.step_has_embeddings(
+            scheduler_output.num_scheduled_tokens, self.requests
+        ):
+            return BatchExecution(CUDAGraphMode.NONE, None, num_tokens, num_reqs)  # graphs embed token ids only
         layerwise = self.kv_connector.uses_layerwise_hooks and scheduler_output.kv_connector_metadata is not None
         if self.cudagraph_manager is not None and not layerwise:
             key = self.cudagraph_manager.descriptor_for(num_tokens, uniform_decode=num_tokens == num_reqs)
@@ -882,6 +895,22 @@ class GPUModelRunner:
         if execution.cudagraph_mode == CUDAGraphMode.FULL and not (key is not None and key.uniform_decode):
             return CascadeMode.OFF
         return CascadeMode.AUTO
+
+    def _execute_mm_encoder(self, scheduler_output: SchedulerOutput, inputs: PreparedInputs) -> None:
+        """The seed's step 3: encode the step's scheduled images (cached by content hash) and hand
+        the forward the encoder output rows its chunks place, with the flat tokens they replace."""
+        assert self.encoder_runner is not None
+        self.encoder_runner.execute(scheduler_output)
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        mm_embeddings = self.encoder_runner.gather(
+            batch.req_ids,
+            batch.num_computed_tokens[:num_reqs],
+            np.diff(self.query_start_loc.np[: num_reqs + 1]),
+            self.query_start_loc.np[:num_reqs],
+        )
+        if mm_embeddings is not None:
+            inputs.forward_context = replace(inputs.forward_context, mm_embeddings=mm_embeddings)
 
     def _model_forward(
         self, inputs: PreparedInputs, intermediate_tensors: IntermediateTensors | None
@@ -1161,6 +1190,8 @@ class GPUModelRunner:
         if self._inputs_sent is not None:
             self._inputs_sent.synchronize()
         post_model_execute_cb = self._update_states(scheduler_output)
+        if self.encoder_runner is not None:
+            self.encoder_runner.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self.kv_connector.no_forward(scheduler_output)
         if self._needs_host_history():
@@ -1172,6 +1203,8 @@ class GPUModelRunner:
         )
         if self._inputs_sent is not None:
             self._inputs_sent.record()
+        if self.encoder_runner is not None:
+            self._execute_mm_encoder(scheduler_output, inputs)
         self.kv_connector.pre_forward(scheduler_output)
         if self.kv_connector.uses_layerwise_hooks and execution.cudagraph_mode == CUDAGraphMode.NONE:
             inputs.forward_context = replace(inputs.forward_context, kv_connector=self.kv_connector)

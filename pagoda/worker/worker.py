@@ -195,6 +195,8 @@ class Worker:
         assert not runner.requests, f"runner still holds {list(runner.requests)}"
         assert runner.input_batch.num_reqs == 0, "runner batch not empty"
         runner.kv_connector.check_idle()
+        if runner.encoder_runner is not None:
+            runner.encoder_runner.check_idle()
 
     # ---- sleep mode ------------------------------------------------------------------------
 

@@ -213,10 +213,13 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         context: ForwardContext,
         intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        """`context` holds this stage's layers only; `intermediate_tensors` feeds every stage but the first."""
+        """`context` holds this stage's layers only; `intermediate_tensors` feeds every stage but the first;
+        `inputs_embeds` replaces the token embeddings (a multimodal model's, with its images in)."""
         if self.is_first_stage:
-            hidden_states, residual = self.embed_tokens(input_ids), None
+            hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             assert intermediate_tensors is not None, "a later pipeline stage starts from the previous one's tensors"
             hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual

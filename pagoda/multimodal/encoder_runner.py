@@ -1,0 +1,139 @@
+"""`EncoderRunner`: the model runner's multimodal half (the seed's encoder runner).
+
+It keeps each request's images from its arrival until it ends, runs a step's scheduled encoder
+inputs in batches of one image size (`_extract_mm_kwargs`), each image's output cached by its
+content hash so that the same image is encoded once across requests (`EncoderCache`), and
+gathers the rows of the outputs that the step's prompt chunks place (`gather`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagoda.config import SchedulerConfig
+from pagoda.multimodal.encoder_cache import EncoderCache
+from pagoda.multimodal.inputs import MultiModalEmbeddings, MultiModalFeatureSpec
+from pagoda.scheduler.output import SchedulerOutput
+
+
+class EncoderRunner:
+    def __init__(self, model: nn.Module, cache: EncoderCache, device: torch.device, encoder_budget: int) -> None:
+        self.model = model
+        self.encoder_budget = encoder_budget
+        self.cache = cache
+        self.device = device
+        self.features: dict[str, tuple[MultiModalFeatureSpec, ...]] = {}
+        self.num_encoded_images = 0
+
+    def update(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the step's diff: ended requests drop their images, preempted ones release their
+        cache entries (they resume with their encoder inputs scheduled again), new ones bring theirs."""
+        for req_id in scheduler_output.finished_req_ids:
+            self.features.pop(req_id, None)
+            self.cache.release(req_id)
+        for req_id in scheduler_output.preempted_req_ids:
+            self.cache.release(req_id)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            if new_req.mm_features:
+                self.features[new_req.req_id] = tuple(new_req.mm_features)
+
+    def step_has_embeddings(self, num_scheduled: Mapping[str, int], requests: Mapping[str, Any]) -> bool:
+        """Whether any scheduled chunk covers image placeholders (the step then runs eagerly);
+        `requests`: the runner's request states, with each one's computed count before the step."""
+        for req_id, features in self.features.items():
+            count = num_scheduled.get(req_id)
+            if count:
+                start = requests[req_id].num_computed_tokens
+                if any(f.mm_position.overlaps(start, start + count) for f in features):
+                    return True
+        return False
+
+    def execute(self, scheduler_output: SchedulerOutput) -> None:
+        """Encode the step's scheduled images that the cache lacks, each distinct image once."""
+        pending: dict[str, tuple[MultiModalFeatureSpec, list[str]]] = {}
+        for req_id, indices in scheduler_output.scheduled_encoder_inputs.items():
+            features = self.features[req_id]
+            for index in indices:
+                feature = features[index]
+                if feature.identifier in pending:
+                    pending[feature.identifier][1].append(req_id)
+                elif not self.cache.acquire(feature.identifier, req_id):
+                    pending[feature.identifier] = (feature, [req_id])
+        if not pending:
+            return
+        for identifiers, pixel_values in self._extract_mm_kwargs([feature for feature, _ in pending.values()]):
+            outputs = self.model.embed_multimodal(pixel_values)
+            self.num_encoded_images += len(identifiers)
+            for identifier, output in zip(identifiers, outputs, strict=True):
+                first, *others = pending[identifier][1]
+                self.cache.put(identifier, output.clone(), first)
+                for req_id in others:
+                    self.cache.acquire(identifier, req_id)
+
+    def _extract_mm_kwargs(self, features: Sequence[MultiModalFeatureSpec]) -> list[tuple[list[str], torch.Tensor]]:
+        """The encoder's batched inputs: images of one shape stacked, sent to the device."""
+        by_shape: dict[tuple[int, ...], list[MultiModalFeatureSpec]] = {}
+        for feature in features:
+            by_shape.setdefault(tuple(feature.data.shape), []).append(feature)
+        return [
+            (
+                [feature.identifier for feature in group],
+                torch.stack([feature.data for feature in group]).to(self.device, non_blocking=True),
+            )
+            for group in by_shape.values()
+        ]
+
+    def gather(
+        self,
+        req_ids: Sequence[str],
+        num_computed: np.ndarray,
+        num_scheduled: np.ndarray,
+        query_start: np.ndarray,
+    ) -> MultiModalEmbeddings | None:
+        """The encoder output rows of the step's chunks and the flat token each replaces; rows
+        are batch rows (`query_start[row]`: the row's first flat token)."""
+        embeddings: list[torch.Tensor] = []
+        token_index: list[np.ndarray] = []
+        for row, req_id in enumerate(req_ids):
+            features = self.features.get(req_id)
+            if not features:
+                continue
+            start = int(num_computed[row])
+            end = start + int(num_scheduled[row])
+            for feature in features:
+                position = feature.mm_position
+                low, high = max(start, position.offset), min(end, position.end)
+                if low >= high:
+                    continue
+                output = self.cache.get(feature.identifier)
+                embeddings.append(output[low - position.offset : high - position.offset])
+                token_index.append(np.arange(low, high, dtype=np.int64) - start + int(query_start[row]))
+        if not embeddings:
+            return None
+        index = torch.from_numpy(np.concatenate(token_index)).to(self.device, non_blocking=True)
+        return MultiModalEmbeddings(torch.cat(embeddings), index)
+
+    def check_idle(self) -> None:
+        """Raise AssertionError while any request's images or cache holds are left."""
+        assert not self.features, f"encoder runner still holds images of {list(self.features)[:16]}"
+        held = self.cache.held_req_ids
+        assert not held, f"encoder cache entries still held by {held[:16]}"
+
+    def profile_outputs(self) -> torch.Tensor:
+        """The encoder's outputs for a step that spends the whole encoder budget, so that a
+        profile run measures the encoder's peak and its outputs' memory."""
+        num_images = max(1, self.encoder_budget // self.model.max_tokens_per_image)
+        return self.model.embed_multimodal(self.model.dummy_pixel_values(num_images))
+
+
+def make_encoder_runner(model: nn.Module, scheduler_config: SchedulerConfig, device: torch.device) -> EncoderRunner:
+    """The runner of a multimodal model, its cache as large as the config says (default: one
+    step's encoder budget, itself the step's token budget by default)."""
+    budget = scheduler_config.max_num_encoder_input_tokens or scheduler_config.max_num_batched_tokens
+    capacity = scheduler_config.encoder_cache_size if scheduler_config.encoder_cache_size is not None else budget
+    return EncoderRunner(model, EncoderCache(capacity), device, budget)

@@ -1,0 +1,143 @@
+"""Tiny random vision-language checkpoints built in the tests (nothing is downloaded): a LLaVA-1.5
+config with a CLIP tower over a Llama decoder, saved with save_pretrained together with a locally
+built word-level tokenizer that has the image token and a saved CLIP image-processor config; the
+HF model is the numerical reference (greedy tokens and top-2 margins per step)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+from model_utils import randomize_
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    PreTrainedTokenizerFast,
+)
+
+IMAGE_SIZE = 30
+PATCH_SIZE = 6
+# (30 / 6)^2 patches, the CLS token dropped ("default" strategy).
+TOKENS_PER_IMAGE = 25
+WORDS = [f"w{i}" for i in range(200)]
+SPECIALS = ["<unk>", "<s>", "</s>", "<image>"]
+VOCAB = len(SPECIALS) + len(WORDS) + 4
+IMAGE_TOKEN_ID = SPECIALS.index("<image>")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
+
+
+def llava_config() -> LlavaConfig:
+    return LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            image_size=IMAGE_SIZE,
+            patch_size=PATCH_SIZE,
+            projection_dim=32,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        image_token_id=IMAGE_TOKEN_ID,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+
+
+def save_tiny_llava(path: str, seed: int = 1234) -> LlavaForConditionalGeneration:
+    """Save the checkpoint, tokenizer and image processor to `path`; returns the HF model (eval)."""
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(llava_config()).float()
+    randomize_(model)
+    model.eval()
+    model.save_pretrained(path)
+    tokenizer_of_words().save_pretrained(path)
+    CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    ).save_pretrained(path)
+    return model
+
+
+def tokenizer_of_words() -> PreTrainedTokenizerFast:
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS + ["user", "assistant", ":", "x"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    # A BOS token first, as Llama's tokenizers add.
+    from tokenizers import processors
+
+    backend = tokenizer.backend_tokenizer
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tokenizer
+
+
+def random_image(width: int, height: int, seed: int):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def png_bytes(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@torch.inference_mode()
+def hf_vlm_greedy(
+    model: LlavaForConditionalGeneration, prompt_ids: list[int], pixel_values: torch.Tensor | None, max_new_tokens: int
+) -> tuple[list[int], list[float], torch.Tensor]:
+    """Greedy continuation by the HF model (its own KV cache, explicit attention mask): the tokens,
+    the top-2 logit margin at each step, and the first step's last-position logits."""
+    tokens: list[int] = []
+    margins: list[float] = []
+    input_ids = torch.tensor([prompt_ids])
+    attention_mask = torch.ones_like(input_ids)
+    past = None
+    first_logits = None
+    for step in range(max_new_tokens):
+        out = model(
+            input_ids=input_ids,
+            pixel_values=pixel_values if step == 0 else None,
+            attention_mask=attention_mask,
+            past_key_values=past,
+            use_cache=True,
+        )
+        past = out.past_key_values
+        logits = out.logits[0, -1].float()
+        if first_logits is None:
+            first_logits = logits
+        top2 = logits.topk(2)
+        margins.append(float(top2.values[0] - top2.values[1]))
+        tokens.append(int(top2.indices[0]))
+        input_ids = top2.indices[:1].view(1, 1)
+        attention_mask = torch.cat([attention_mask, torch.ones(1, 1, dtype=attention_mask.dtype)], dim=1)
+    return tokens, margins, first_logits
