@@ -141,3 +141,16 @@ def hf_vlm_greedy(
         input_ids = top2.indices[:1].view(1, 1)
         attention_mask = torch.cat([attention_mask, torch.ones(1, 1, dtype=attention_mask.dtype)], dim=1)
     return tokens, margins, first_logits
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares `width` x `height` pixels and holds none: what a decompression bomb
+    looks like to a decoder that reads the header first (cheap to send, huge to decode)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")

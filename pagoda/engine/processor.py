@@ -137,21 +137,29 @@ class Processor:
         )
         return request, prompt_text
 
-    def _process_multimodal(self, prompt: dict) -> tuple[str | None, list[int], list[MultiModalFeatureSpec]]:
-        """A prompt dict: its images decoded, processed and hashed, their placeholders expanded."""
+    def image_token_id(self) -> int:
+        """The token an image's placeholder starts as in a prompt (InvalidRequestError for a text-only model)."""
+        return self._multimodal_processor().placeholders.image_token_id
+
+    def _multimodal_processor(self):
         from pagoda.multimodal.processing import MultiModalProcessor, is_multimodal
 
-        if not prompt.get("multi_modal_data"):
-            text = prompt.get("prompt", prompt.get("prompt_token_ids"))
-            return *self.tokenize(text), []
         if not is_multimodal(self.model_config.hf_config):
             raise InvalidRequestError("multi_modal_data", "this model takes no images: send a text prompt")
         if self._mm_processor is None:
             self._mm_processor = MultiModalProcessor(self.model_config, self.media_limits)
+        return self._mm_processor
+
+    def _process_multimodal(self, prompt: dict) -> tuple[str | None, list[int], list[MultiModalFeatureSpec]]:
+        """A prompt dict: its images decoded, processed and hashed, their placeholders expanded."""
+        if not prompt.get("multi_modal_data"):
+            text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+            return *self.tokenize(text), []
+        processor = self._multimodal_processor()
         image_text = None
         if self.tokenizer is not None:
-            image_text = self.tokenizer.convert_ids_to_tokens(self._mm_processor.placeholders.image_token_id)
-        return self._mm_processor.process_prompt(prompt, lambda text, special: self.encode(text, special), image_text)
+            image_text = self.tokenizer.convert_ids_to_tokens(processor.placeholders.image_token_id)
+        return processor.process_prompt(prompt, lambda text, special: self.encode(text, special), image_text)
 
     def _process_pooling(
         self, request_id: str, prompt: PromptType, params: PoolingParams, cache_salt: str | None

@@ -18,6 +18,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.processor import PromptType
 from pagoda.errors import InvalidRequestError
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.chat import split_content_images
 from pagoda.outputs import (
     EmbeddingRequestOutput,
     RequestOutput,
@@ -116,8 +117,20 @@ class LLM:
     ) -> list[RequestOutput]:
         """Answer one conversation or a list of them with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
+        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _chat_prompt(self, messages: Conversation, add_generation_prompt: bool, chat_template: str | None) -> PromptType:
+        """The conversation's prompt: token ids, with its images beside them when its contents have any."""
+        messages, images = split_content_images(messages)
+        if not images:
+            return self.render_chat(messages, add_generation_prompt, chat_template)
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("messages", "this model has no tokenizer, so no chat template")
+        image_token_id = self.llm_engine.processor.image_token_id()
+        token_ids = render_chat(tokenizer, messages, add_generation_prompt, chat_template, image_token_id=image_token_id)
+        return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
 
     def embed(
         self,

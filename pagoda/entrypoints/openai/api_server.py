@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
@@ -52,6 +53,7 @@ from pagoda.entrypoints.openai.errors import (
 )
 from pagoda.entrypoints.openai.http_server import DrainingServer, uvicorn_config
 from pagoda.entrypoints.openai.limits import request_limits
+from pagoda.multimodal.processing import is_multimodal
 from pagoda.entrypoints.openai.middleware import BodySizeLimitMiddleware, DrainingMiddleware
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -179,6 +181,12 @@ def build_app(
         lora.register(name, path)
     max_model_len = engine.config.model_config.max_model_len
     limits = request_limits(engine.tokenizer, max_model_len)
+    if is_multimodal(engine.config.model_config.hf_config):
+        limits = dataclasses.replace(limits, accepts_images=True)
+        processor = engine.engine.processor
+        processor.media_limits = dataclasses.replace(
+            processor.media_limits, allowed_domains=frozenset(options.allowed_media_domains)
+        )
     install_body_schemas(
         app,
         [

@@ -42,6 +42,8 @@ class ServerOptions:
     # LoRA adapters served from the start, (name, path); and whether clients may load more.
     lora_modules: tuple[tuple[str, str], ...] = ()
     enable_lora_updates: bool = False
+    # Hosts chat's http(s) image URLs may name (a vision-language model); none: only data: URLs.
+    allowed_media_domains: tuple[str, ...] = ()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -57,6 +59,7 @@ class ServerOptions:
             reasoning_parser=args.reasoning_parser,
             lora_modules=tuple(parse_lora_modules(args.lora_modules or [])),
             enable_lora_updates=args.enable_lora_updates,
+            allowed_media_domains=tuple(args.allowed_media_domains or ()),
         )
 
 
@@ -150,6 +153,14 @@ def _add_limit_args(group: argparse._ArgumentGroup) -> None:
 
 
 def _add_feature_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="hosts a chat image_url may be fetched from (exact names); by default remote image URLs are "
+        "refused and only data: URLs are read",
+    )
     group.add_argument(
         "--trust-request-chat-template",
         action="store_true",

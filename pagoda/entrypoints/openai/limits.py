@@ -29,6 +29,8 @@ class RequestLimits:
     # Characters of text (a prompt, or a conversation's contents) past which it cannot fit;
     # None where the tokenizer gives no exact bound (or there is no tokenizer).
     max_prompt_chars: int | None
+    # The model takes images: chat's image_url parts are accepted (else refused naming the need).
+    accepts_images: bool = False
 
     @property
     def max_messages(self) -> int:

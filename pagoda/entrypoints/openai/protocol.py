@@ -33,6 +33,7 @@ from pydantic import (
 )
 
 from pagoda.entrypoints.openai.limits import RequestLimits
+from pagoda.multimodal.chat import IMAGE_URL_MARKER, text_length
 
 # A token id as a JSON object key: plain ASCII decimal digits (int() would also take "²",
 # "1_0", " 5" and numbers of thousands of digits), ten at most.
@@ -267,12 +268,29 @@ def refuse_media_part(i: int, kind: Any, media_parts: dict[str, str], info: Vali
 def _text_part(i: int, part: Any, info: ValidationInfo) -> str:
     """One content part's text; a media part is refused with what it would need."""
     kind = part.get("type") if isinstance(part, dict) else None
+    limits = _limits(info)
+    if kind == "image_url" and limits is not None and limits.accepts_images:
+        return _image_url_part(i, part)
     refuse_media_part(i, kind, _MEDIA_PARTS, info)
     if not isinstance(part, dict) or part.keys() != {"type", "text"} or kind != "text":
         raise ValueError(f"content[{i}] must be an object {{'type': 'text', 'text': ...}}")
     if not isinstance(part["text"], str):
         raise ValueError(f"content[{i}].text must be a string")
     return check_text(part["text"])
+
+
+def _image_url_part(i: int, part: dict) -> str:
+    """An image part kept, as its URL between markers, in the content's text (see pagoda/multimodal/chat.py);
+    the image is fetched and decoded with the prompt's processing, off the event loop."""
+    image_url = part.get("image_url")
+    if (
+        part.keys() != {"type", "image_url"}
+        or not isinstance(image_url, dict)
+        or not isinstance(image_url.get("url"), str)
+        or set(image_url) - {"url", "detail"}
+    ):
+        raise ValueError(f"content[{i}] must be an object {{'type': 'image_url', 'image_url': {{'url': ...}}}}")
+    return f"{IMAGE_URL_MARKER}{image_url['url']}{IMAGE_URL_MARKER}"
 
 
 def _content_text(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> str | None:
@@ -353,7 +371,7 @@ def check_num_messages(value: Any, info: ValidationInfo) -> Any:
 
 def check_conversation_chars(messages: list[ChatMessage], info: ValidationInfo) -> list[ChatMessage]:
     limits = _limits(info)
-    num_chars = sum(len(message.content or "") for message in messages)
+    num_chars = sum(text_length(message.content or "") for message in messages)
     if limits is not None and limits.max_prompt_chars is not None and num_chars > limits.max_prompt_chars:
         raise ValueError(
             f"have {num_chars} characters of content; more than {limits.max_prompt_chars} (max_model_len "

@@ -23,6 +23,8 @@ from starlette.responses import Response
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.chat import render_chat, renders_tools
+from pagoda.multimodal.chat import take_image_urls
+from pagoda.multimodal.image import load_image
 from pagoda.entrypoints.openai.errors import OpenAIError, invalid_request
 from pagoda.entrypoints.openai.message_parser import MessageParser
 from pagoda.entrypoints.openai.protocol import (
@@ -124,7 +126,10 @@ class OpenAIServingChat(OpenAIServing):
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             skip_special_tokens=body.skip_special_tokens if parsers is None else parsers.skip_special_tokens(body),
         )
-        response_id, request_ids = await self.start([prepared.prompt], params, "chatcmpl", body, prepared.constraint)
+        prompt = prepared.prompt
+        if prepared.images:
+            prompt = {"prompt_token_ids": prepared.prompt, "multi_modal_data": {"image": list(prepared.images)}}
+        response_id, request_ids = await self.start([prompt], params, "chatcmpl", body, prepared.constraint)
         outputs = self.outputs(request_ids)
         stops = list(params.stop)
         return await self.respond(
@@ -156,15 +161,16 @@ class OpenAIServingChat(OpenAIServing):
             )
         constraint = constraint or forced
         tool_prompt = plan is not None and not await self.template_renders_tools(body)
+        images: list[Any] = []
         prompt = await render_messages(
-            self.engine, body, self.trust_request_chat_template, plan.tools if plan else None, tool_prompt
+            self.engine, body, self.trust_request_chat_template, plan.tools if plan else None, tool_prompt, images
         )
         start = None
         if self.reasoning_parser is not None and self.tokenizer is not None:
             start = output_start(self.reasoning_parser, prompt, self.tokenizer)
             if constraint is not None and self.reasoning_markers is not None:
                 constraint = self.reasoning_markers.gate(constraint, start)
-        return PreparedChat(prompt, constraint, self.message_parsers(plan, tool_prompt, start))
+        return PreparedChat(prompt, constraint, self.message_parsers(plan, tool_prompt, start), tuple(images))
 
     async def template_renders_tools(self, body: ChatCompletionRequest) -> bool:
         """Whether the request's template prints tools (else the fallback tool prompt is used)."""
@@ -317,10 +323,12 @@ async def render_messages(
     trust_request_chat_template: bool,
     tools: tuple[dict[str, Any], ...] | None = None,
     tool_prompt: bool = False,
+    images: list[Any] | None = None,
 ) -> list[int]:
     """The conversation's prompt token ids under the model's chat template (or the request's,
     when the server trusts requests with templates), rendered on the engine's processing thread.
-    `tools` go to the template, or with `tool_prompt` into the fallback tool prompt."""
+    `tools` go to the template, or with `tool_prompt` into the fallback tool prompt. Each image
+    part is the model's image token; `images` gets the images, decoded on that thread too."""
     tokenizer = engine.processing_tokenizer
     if tokenizer is None:
         raise OpenAIError(400, "this model has no tokenizer, so no chat template: use /v1/completions", "messages")
@@ -333,21 +341,28 @@ async def render_messages(
                 "(start it with --trust-request-chat-template to allow it)",
                 field,
             )
-    conversation = [template_message(message) for message in body.messages]
+    conversation, image_urls = take_image_urls([template_message(message) for message in body.messages])
     template_tools = list(tools) if tools and not tool_prompt else None
     if tools and tool_prompt:
         conversation = with_tool_prompt(conversation, tools)
-    try:
-        return await engine.run_processing(
-            lambda: render_chat(
-                tokenizer,
-                conversation,
-                body.add_generation_prompt,
-                body.chat_template,
-                body.chat_template_kwargs,
-                template_tools,
-            )
+    processor = engine.engine.processor
+
+    def render() -> list[int]:
+        image_token_id = processor.image_token_id() if image_urls else None
+        if images is not None:
+            images.extend(load_image(url, field, processor.media_limits) for field, url in image_urls)
+        return render_chat(
+            tokenizer,
+            conversation,
+            body.add_generation_prompt,
+            body.chat_template,
+            body.chat_template_kwargs,
+            template_tools,
+            image_token_id,
         )
+
+    try:
+        return await engine.run_processing(render)
     except InvalidRequestError as error:
         raise invalid_request(error, OpenAIServingChat.param_names) from error
 
@@ -388,6 +403,8 @@ class PreparedChat:
     prompt: list[int]
     constraint: Constraint | None
     parsers: MessageParsers | None
+    # The conversation's images (decoded), one per image token of the prompt, in order.
+    images: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
