@@ -77,8 +77,9 @@ def save_tiny_llava(path: str, seed: int = 1234) -> LlavaForConditionalGeneratio
     return model
 
 
-def tokenizer_of_words() -> PreTrainedTokenizerFast:
-    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS + ["user", "assistant", ":", "x"])}
+def tokenizer_of_words(extra_specials: list[str] = ()) -> PreTrainedTokenizerFast:
+    """Word-level: the special tokens, w0..w199 and a few chat words; `extra_specials` after them."""
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS + ["user", "assistant", ":", "x", *extra_specials])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
@@ -88,7 +89,7 @@ def tokenizer_of_words() -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         extra_special_tokens={"image_token": "<image>"},
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", *extra_specials]})
     tokenizer.chat_template = CHAT_TEMPLATE
     # A BOS token first, as Llama's tokenizers add.
     from tokenizers import processors
@@ -96,6 +97,66 @@ def tokenizer_of_words() -> PreTrainedTokenizerFast:
     backend = tokenizer.backend_tokenizer
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return tokenizer
+
+
+QWEN_SPECIALS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+QWEN_IMAGE_TEXT = "".join(QWEN_SPECIALS)
+
+
+def qwen2_5_vl_config():
+    """Qwen2.5-VL with a two-block vision tower (block 1 full attention, block 0 windows of 2x2
+    merged patches: 56 px) and M-RoPE sections (2, 3, 3) over 16-wide heads."""
+    from transformers import Qwen2_5_VLConfig
+
+    ids = {token: VOCAB + i for i, token in enumerate(QWEN_SPECIALS)}
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=VOCAB + len(QWEN_SPECIALS),
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|image_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def save_tiny_qwen2_5_vl(path: str, seed: int = 1234):
+    """Save the checkpoint, a tokenizer with Qwen's vision tokens and a Qwen2-VL image processor
+    (56x56 to 224x224 pixels: 4 to 64 merged tokens an image); returns the HF model (eval)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(qwen2_5_vl_config()).float()
+    randomize_(model)
+    model.eval()
+    model.save_pretrained(path)
+    tokenizer_of_words(QWEN_SPECIALS).save_pretrained(path)
+    Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=224 * 224).save_pretrained(path)
+    return model
 
 
 def random_image(width: int, height: int, seed: int):

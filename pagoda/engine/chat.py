@@ -37,11 +37,11 @@ def render_chat(
     chat_template: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
-    image_token_id: int | None = None,
+    image_token_ids: list[int] | None = None,
 ) -> list[int]:
     """`template_kwargs` are extra template variables; `chat_template` replaces the model's;
-    `tools` (OpenAI's tool objects) go to the template's `tools` variable; with `image_token_id`
-    each image marker in a content (pagoda/multimodal/chat.py) becomes that token."""
+    `tools` (OpenAI's tool objects) go to the template's `tools` variable; with `image_token_ids`
+    each image marker in a content (pagoda/multimodal/chat.py) becomes those tokens."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "messages must be a non-empty list of {'role', 'content'} dicts")
     if chat_template is None and tokenizer.chat_template is None:
@@ -87,16 +87,16 @@ def render_chat(
         if i % 2 == 0:
             token_ids += tokenizer.encode(piece, add_special_tokens=False)
         else:
-            token_ids += _encode_content(tokenizer, contents[int(piece)], image_token_id)
+            token_ids += _encode_content(tokenizer, contents[int(piece)], image_token_ids)
     return token_ids
 
 
-def _encode_content(tokenizer: PreTrainedTokenizerBase, content: str, image_token_id: int | None) -> list[int]:
-    """A message's content as plain text, each image marker as the image token (when the model takes images)."""
-    pieces = content.split(IMAGE_MARKER) if image_token_id is not None else [content]
+def _encode_content(tokenizer: PreTrainedTokenizerBase, content: str, image_token_ids: list[int] | None) -> list[int]:
+    """A message's content as plain text, each image marker as the image tokens (when the model takes images)."""
+    pieces = content.split(IMAGE_MARKER) if image_token_ids is not None else [content]
     token_ids = tokenizer.encode(pieces[0], add_special_tokens=False, split_special_tokens=True)
     for piece in pieces[1:]:
-        token_ids += [image_token_id, *tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)]
+        token_ids += [*image_token_ids, *tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)]
     return token_ids
 
 

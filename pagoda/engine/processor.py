@@ -8,6 +8,7 @@ passes becomes an `EngineCoreRequest`, the plain message the core builds its own
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
@@ -22,6 +23,9 @@ from pagoda.pooling import processing as pooling
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.spec import GrammarSpec
+
+if TYPE_CHECKING:
+    from pagoda.multimodal.processing import MultiModalProcessor
 
 # A dict is vLLM's prompt shape: {"prompt" or "prompt_token_ids", "multi_modal_data": {"image": ...}}.
 PromptType = str | list[int] | dict
@@ -137,11 +141,11 @@ class Processor:
         )
         return request, prompt_text
 
-    def image_token_id(self) -> int:
-        """The token an image's placeholder starts as in a prompt (InvalidRequestError for a text-only model)."""
-        return self._multimodal_processor().placeholders.image_token_id
+    def image_prompt_token_ids(self) -> list[int]:
+        """The tokens an image of a chat is written as (InvalidRequestError for a text-only model)."""
+        return self._multimodal_processor().placeholders.prompt_token_ids
 
-    def _multimodal_processor(self):
+    def _multimodal_processor(self) -> MultiModalProcessor:
         from pagoda.multimodal.processing import MultiModalProcessor, is_multimodal
 
         if not is_multimodal(self.model_config.hf_config):
@@ -158,7 +162,7 @@ class Processor:
         processor = self._multimodal_processor()
         image_text = None
         if self.tokenizer is not None:
-            image_text = self.tokenizer.convert_ids_to_tokens(processor.placeholders.image_token_id)
+            image_text = "".join(self.tokenizer.convert_ids_to_tokens(processor.placeholders.prompt_token_ids))
         return processor.process_prompt(prompt, lambda text, special: self.encode(text, special), image_text)
 
     def _process_pooling(

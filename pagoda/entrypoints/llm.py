@@ -128,8 +128,8 @@ class LLM:
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise InvalidRequestError("messages", "this model has no tokenizer, so no chat template")
-        image_token_id = self.llm_engine.processor.image_token_id()
-        token_ids = render_chat(tokenizer, messages, add_generation_prompt, chat_template, image_token_id=image_token_id)
+        image_token_ids = self.llm_engine.processor.image_prompt_token_ids()
+        token_ids = render_chat(tokenizer, messages, add_generation_prompt, chat_template, image_token_ids=image_token_ids)
         return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
 
     def embed(

@@ -26,6 +26,7 @@ _MODEL_CLASSES: dict[str, str] = {
     "Mamba2ForCausalLM": "pagoda.model.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "pagoda.model.models.bamba:BambaForCausalLM",
     "LlavaForConditionalGeneration": "pagoda.model.models.llava:LlavaForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "pagoda.model.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
 }
 
 # For configs that name no architecture (saved from a bare config object): HF model_type -> name.
@@ -42,6 +43,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "mamba2": "Mamba2ForCausalLM",
     "bamba": "BambaForCausalLM",
     "llava": "LlavaForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 
 

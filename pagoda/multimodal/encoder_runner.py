@@ -1,9 +1,10 @@
 """`EncoderRunner`: the model runner's multimodal half (the seed's encoder runner).
 
 It keeps each request's images from its arrival until it ends, runs a step's scheduled encoder
-inputs in batches of one image size (`_extract_mm_kwargs`), each image's output cached by its
-content hash so that the same image is encoded once across requests (`EncoderCache`), and
-gathers the rows of the outputs that the step's prompt chunks place (`gather`).
+inputs in one batch (`_extract_mm_kwargs`), each image's output cached by its content hash so
+that the same image is encoded once across requests (`EncoderCache`), and gathers the rows of
+the outputs that the step's prompt chunks place (`gather`). For an M-RoPE model it shifts the
+step's rotary positions of requests with images and gives their image tokens' three positions.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from pagoda.config import SchedulerConfig
 from pagoda.multimodal.encoder_cache import EncoderCache
 from pagoda.multimodal.inputs import MultiModalEmbeddings, MultiModalFeatureSpec
+from pagoda.multimodal.mrope import MRopeLayout, mrope_layout
 from pagoda.scheduler.output import SchedulerOutput
 
 
@@ -29,18 +31,24 @@ class EncoderRunner:
         self.device = device
         self.features: dict[str, tuple[MultiModalFeatureSpec, ...]] = {}
         self.num_encoded_images = 0
+        # M-RoPE models: each request's image layout (its positions' shifts), by request.
+        self.spatial_merge_size: int | None = getattr(model, "mrope_spatial_merge_size", None)
+        self.mrope_layouts: dict[str, MRopeLayout] = {}
 
     def update(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the step's diff: ended requests drop their images, preempted ones release their
         cache entries (they resume with their encoder inputs scheduled again), new ones bring theirs."""
         for req_id in scheduler_output.finished_req_ids:
             self.features.pop(req_id, None)
+            self.mrope_layouts.pop(req_id, None)
             self.cache.release(req_id)
         for req_id in scheduler_output.preempted_req_ids:
             self.cache.release(req_id)
         for new_req in scheduler_output.scheduled_new_reqs:
             if new_req.mm_features:
                 self.features[new_req.req_id] = tuple(new_req.mm_features)
+                if self.spatial_merge_size is not None:
+                    self.mrope_layouts[new_req.req_id] = mrope_layout(new_req.mm_features, self.spatial_merge_size)
 
     def step_has_embeddings(self, num_scheduled: Mapping[str, int], requests: Mapping[str, Any]) -> bool:
         """Whether any scheduled chunk covers image placeholders (the step then runs eagerly);
@@ -66,26 +74,19 @@ class EncoderRunner:
                     pending[feature.identifier] = (feature, [req_id])
         if not pending:
             return
-        for identifiers, pixel_values in self._extract_mm_kwargs([feature for feature, _ in pending.values()]):
-            outputs = self.model.embed_multimodal(pixel_values)
-            self.num_encoded_images += len(identifiers)
-            for identifier, output in zip(identifiers, outputs, strict=True):
-                first, *others = pending[identifier][1]
-                self.cache.put(identifier, output.clone(), first)
-                for req_id in others:
-                    self.cache.acquire(identifier, req_id)
+        outputs = self.model.embed_multimodal(self._extract_mm_kwargs([feature for feature, _ in pending.values()]))
+        self.num_encoded_images += len(pending)
+        for (identifier, (_, req_ids)), output in zip(pending.items(), outputs, strict=True):
+            first, *others = req_ids
+            self.cache.put(identifier, output.clone(), first)
+            for req_id in others:
+                self.cache.acquire(identifier, req_id)
 
-    def _extract_mm_kwargs(self, features: Sequence[MultiModalFeatureSpec]) -> list[tuple[list[str], torch.Tensor]]:
-        """The encoder's batched inputs: images of one shape stacked, sent to the device."""
-        by_shape: dict[tuple[int, ...], list[MultiModalFeatureSpec]] = {}
-        for feature in features:
-            by_shape.setdefault(tuple(feature.data.shape), []).append(feature)
+    def _extract_mm_kwargs(self, features: Sequence[MultiModalFeatureSpec]) -> list[dict[str, torch.Tensor]]:
+        """The encoder's inputs, one dict per image, on the device (the model batches them)."""
         return [
-            (
-                [feature.identifier for feature in group],
-                torch.stack([feature.data for feature in group]).to(self.device, non_blocking=True),
-            )
-            for group in by_shape.values()
+            {name: tensor.to(self.device, non_blocking=True) for name, tensor in feature.data.items()}
+            for feature in features
         ]
 
     def gather(
@@ -99,13 +100,15 @@ class EncoderRunner:
         are batch rows (`query_start[row]`: the row's first flat token)."""
         embeddings: list[torch.Tensor] = []
         token_index: list[np.ndarray] = []
+        positions: list[np.ndarray] = []
         for row, req_id in enumerate(req_ids):
             features = self.features.get(req_id)
             if not features:
                 continue
             start = int(num_computed[row])
             end = start + int(num_scheduled[row])
-            for feature in features:
+            layout = self.mrope_layouts.get(req_id)
+            for image, feature in enumerate(features):
                 position = feature.mm_position
                 low, high = max(start, position.offset), min(end, position.end)
                 if low >= high:
@@ -113,22 +116,41 @@ class EncoderRunner:
                 output = self.cache.get(feature.identifier)
                 embeddings.append(output[low - position.offset : high - position.offset])
                 token_index.append(np.arange(low, high, dtype=np.int64) - start + int(query_start[row]))
+                if layout is not None:
+                    positions.append(layout.image_positions(image, low - position.offset, high - position.offset))
         if not embeddings:
             return None
         index = torch.from_numpy(np.concatenate(token_index)).to(self.device, non_blocking=True)
-        return MultiModalEmbeddings(torch.cat(embeddings), index)
+        mrope = None
+        if positions:
+            mrope = torch.from_numpy(np.concatenate(positions, axis=1)).to(self.device, non_blocking=True)
+        return MultiModalEmbeddings(torch.cat(embeddings), index, mrope)
+
+    def shift_positions(
+        self, req_ids: Sequence[str], first_token: np.ndarray, num_scheduled: np.ndarray, positions: np.ndarray
+    ) -> None:
+        """M-RoPE: the rotary positions (flat `positions`, written with the token indices) of the
+        rows with images, shifted in place past their images (see pagoda/multimodal/mrope.py)."""
+        if not self.mrope_layouts:
+            return
+        for row, req_id in enumerate(req_ids):
+            layout = self.mrope_layouts.get(req_id)
+            if layout is not None:
+                tokens = slice(int(first_token[row]), int(first_token[row] + num_scheduled[row]))
+                positions[tokens] = layout.text_positions(positions[tokens])
 
     def check_idle(self) -> None:
         """Raise AssertionError while any request's images or cache holds are left."""
         assert not self.features, f"encoder runner still holds images of {list(self.features)[:16]}"
+        assert not self.mrope_layouts, f"encoder runner still holds M-RoPE layouts of {list(self.mrope_layouts)[:16]}"
         held = self.cache.held_req_ids
         assert not held, f"encoder cache entries still held by {held[:16]}"
 
-    def profile_outputs(self) -> torch.Tensor:
+    def profile_outputs(self) -> list[torch.Tensor]:
         """The encoder's outputs for a step that spends the whole encoder budget, so that a
         profile run measures the encoder's peak and its outputs' memory."""
         num_images = max(1, self.encoder_budget // self.model.max_tokens_per_image)
-        return self.model.embed_multimodal(self.model.dummy_pixel_values(num_images))
+        return self.model.embed_multimodal(self.model.dummy_mm_items(num_images))
 
 
 def make_encoder_runner(model: nn.Module, scheduler_config: SchedulerConfig, device: torch.device) -> EncoderRunner:

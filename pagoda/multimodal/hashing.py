@@ -10,13 +10,14 @@ import torch
 from pagoda.multimodal.inputs import MultiModalFeatureSpec
 
 
-def hash_tensor(modality: str, data: torch.Tensor) -> str:
-    """sha256 over the modality, dtype, shape and bytes of a processed item: what the encoder
+def hash_item(modality: str, data: dict[str, torch.Tensor]) -> str:
+    """sha256 over the modality and each input's name, dtype, shape and bytes: what the encoder
     sees, so two files decoding to the same pixels share one entry."""
-    contiguous = data.detach().cpu().contiguous()
-    header = f"{modality}|{contiguous.dtype}|{tuple(contiguous.shape)}|".encode()
-    digest = hashlib.sha256(header)
-    digest.update(contiguous.view(torch.uint8).numpy().tobytes() if contiguous.numel() else b"")
+    digest = hashlib.sha256(modality.encode())
+    for name in sorted(data):
+        tensor = data[name].detach().cpu().contiguous()
+        digest.update(f"|{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
 
 

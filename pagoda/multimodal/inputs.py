@@ -24,11 +24,12 @@ class PlaceholderRange:
 
 @dataclass(frozen=True)
 class MultiModalFeatureSpec:
-    """One processed item of a request (an image): its encoder input, its content hash
-    (`identifier`: equal for equal pixels, the key of the encoder cache and of the prefix
-    cache's block hashes) and its placeholder tokens in the prompt."""
+    """One processed item of a request (an image): its encoder inputs by name (`pixel_values`,
+    and the model's others, e.g. `image_grid_thw`), its content hash (`identifier`: equal for
+    equal inputs, the key of the encoder cache and of the prefix cache's block hashes) and its
+    placeholder tokens in the prompt."""
 
-    data: torch.Tensor
+    data: dict[str, torch.Tensor]
     modality: str
     identifier: str
     mm_position: PlaceholderRange
@@ -37,7 +38,9 @@ class MultiModalFeatureSpec:
 @dataclass(frozen=True)
 class MultiModalEmbeddings:
     """A step's encoder outputs to write over the token embeddings: `embeddings[i]` replaces the
-    input embedding of flat token `token_index[i]` (both on the device)."""
+    input embedding of flat token `token_index[i]` (both on the device); for M-RoPE models
+    `positions[:, i]` are that token's (time, height, width) rotary positions."""
 
     embeddings: torch.Tensor
     token_index: torch.Tensor
+    positions: torch.Tensor | None = None

@@ -1,5 +1,5 @@
 """Front-end processing of a multimodal prompt: images decoded and preprocessed by the model's HF
-image processor, each image's one placeholder token expanded into the run of tokens its encoder
+image processor, each image's placeholder token expanded into the run of tokens its encoder
 output fills, and each processed image hashed. Runs where the processor runs (the front end, off
 the server's event loop); the core receives tensors and hashes, never files."""
 
@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 
 from pagoda.config import ModelConfig
 from pagoda.errors import InvalidRequestError
-from pagoda.multimodal.hashing import hash_tensor
+from pagoda.multimodal.hashing import hash_item
 from pagoda.multimodal.image import MediaLimits, load_image
 from pagoda.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
@@ -22,29 +22,62 @@ IMAGE = "image"
 
 
 class ImagePlaceholders(Protocol):
-    """What a model family says about its image placeholders."""
+    """What a model family says about its images in a prompt."""
 
+    # The token one image is written as (and its placeholder run is made of).
     image_token_id: int
+    # The tokens an image part of a chat becomes (the image token with the family's delimiters).
+    prompt_token_ids: list[int]
 
-    def num_image_tokens(self, pixel_values: torch.Tensor) -> int:
+    def items(self, processed: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The image processor's batch output, one dict of encoder inputs per image."""
+        ...
+
+    def num_image_tokens(self, item: dict[str, torch.Tensor]) -> int:
         """Placeholder tokens (= encoder output rows) of one processed image."""
         ...
 
 
 class LlavaPlaceholders:
-    """LLaVA-1.5: one token per vision patch (the CLS token too with the "full" strategy)."""
+    """LLaVA-1.5: `<image>`, one token per vision patch (the CLS token too with the "full" strategy)."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         self.image_token_id = int(config.image_token_id)
+        self.prompt_token_ids = [self.image_token_id]
         self.patch_size = int(config.vision_config.patch_size)
         self.extra = 1 if config.vision_feature_select_strategy == "full" else 0
 
-    def num_image_tokens(self, pixel_values: torch.Tensor) -> int:
-        height, width = pixel_values.shape[-2:]
+    def items(self, processed: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        return [{"pixel_values": pixels.clone()} for pixels in processed["pixel_values"]]
+
+    def num_image_tokens(self, item: dict[str, torch.Tensor]) -> int:
+        height, width = item["pixel_values"].shape[-2:]
         return (height // self.patch_size) * (width // self.patch_size) + self.extra
 
 
-_PLACEHOLDERS: dict[str, Callable[[PretrainedConfig], ImagePlaceholders]] = {"llava": LlavaPlaceholders}
+class Qwen2VLPlaceholders:
+    """Qwen2-VL / Qwen2.5-VL: `<|vision_start|><|image_pad|><|vision_end|>`, one pad token per
+    2x2 block of patches of the image at its own resolution (`image_grid_thw`: patches in time,
+    height, width)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        self.image_token_id = int(config.image_token_id)
+        self.prompt_token_ids = [int(config.vision_start_token_id), self.image_token_id, int(config.vision_end_token_id)]
+        self.merge = int(config.vision_config.spatial_merge_size)
+
+    def items(self, processed: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        grids = processed["image_grid_thw"]
+        patches = processed["pixel_values"].split(grids.prod(-1).tolist())
+        return [{"pixel_values": p.clone(), "image_grid_thw": g.clone()} for p, g in zip(patches, grids, strict=True)]
+
+    def num_image_tokens(self, item: dict[str, torch.Tensor]) -> int:
+        return int(item["image_grid_thw"].prod()) // self.merge**2
+
+
+_PLACEHOLDERS: dict[str, Callable[[PretrainedConfig], ImagePlaceholders]] = {
+    "llava": LlavaPlaceholders,
+    "qwen2_5_vl": Qwen2VLPlaceholders,
+}
 
 
 def is_multimodal(hf_config: PretrainedConfig) -> bool:
@@ -97,7 +130,7 @@ class MultiModalProcessor:
         if not images:
             return list(token_ids), []
         try:
-            pixel_values = self.image_processor(list(images), return_tensors="pt")["pixel_values"]
+            items = self.placeholders.items(self.image_processor(list(images), return_tensors="pt"))
         except InvalidRequestError:
             raise
         except Exception as error:  # an image the processor cannot prepare is the request's fault
@@ -105,15 +138,14 @@ class MultiModalProcessor:
         expanded: list[int] = []
         features = []
         previous = 0
-        for position, pixels in zip(positions, pixel_values, strict=True):
-            pixels = pixels.clone()  # its own storage: the message carries this image only
-            length = self.placeholders.num_image_tokens(pixels)
+        for position, item in zip(positions, items, strict=True):
+            length = self.placeholders.num_image_tokens(item)
             expanded += token_ids[previous:position]
             features.append(
                 MultiModalFeatureSpec(
-                    data=pixels,
+                    data=item,
                     modality=IMAGE,
-                    identifier=hash_tensor(IMAGE, pixels),
+                    identifier=hash_item(IMAGE, item),
                     mm_position=PlaceholderRange(len(expanded), length),
                 )
             )
@@ -125,8 +157,9 @@ class MultiModalProcessor:
     def process_prompt(
         self, prompt: dict[str, Any], encode: Callable[[str, bool], list[int]], image_text: str | None
     ) -> tuple[str | None, list[int], list[MultiModalFeatureSpec]]:
-        """A vLLM-style prompt dict: `prompt` (text, each image written as `image_text`) or
-        `prompt_token_ids` (each image one image token id), with `multi_modal_data`."""
+        """A vLLM-style prompt dict: `prompt` (text, each image written as `image_text`: the model's
+        image tokens as text, delimiters included) or `prompt_token_ids` (each image one image
+        token id), with `multi_modal_data`."""
         images = self.images_of(prompt.get("multi_modal_data") or {})
         text = prompt.get("prompt")
         if isinstance(text, str):
@@ -135,7 +168,7 @@ class MultiModalProcessor:
             pieces = text.split(image_text)
             token_ids = encode(pieces[0], True)
             for piece in pieces[1:]:
-                token_ids += [self.placeholders.image_token_id, *encode(piece, False)]
+                token_ids += [*self.placeholders.prompt_token_ids, *encode(piece, False)]
         else:
             text = None
             token_ids = prompt.get("prompt_token_ids")

@@ -696,6 +696,8 @@ class GPUModelRunner:
             block_ids = table.block_table_np[req_indices, positions // block_size]
             slot_mapping.np[:total] = block_ids.astype(np.int64) * block_size + positions % block_size
             slot_mapping.np[total:num_input_tokens] = -1
+        if self.encoder_runner is not None:  # M-RoPE: rotary positions past images differ from indices
+            self.encoder_runner.shift_positions(batch.req_ids, cu_num_tokens - num_scheduled, num_scheduled, self.positions.np)
 
         seq_lens = num_computed + num_scheduled
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])

@@ -348,7 +348,7 @@ async def render_messages(
     processor = engine.engine.processor
 
     def render() -> list[int]:
-        image_token_id = processor.image_token_id() if image_urls else None
+        image_token_ids = processor.image_prompt_token_ids() if image_urls else None
         if images is not None:
             images.extend(load_image(url, field, processor.media_limits) for field, url in image_urls)
         return render_chat(
@@ -358,7 +358,7 @@ async def render_messages(
             body.chat_template,
             body.chat_template_kwargs,
             template_tools,
-            image_token_id,
+            image_token_ids,
         )
 
     try:

@@ -214,16 +214,19 @@ class DecoderModel(nn.Module):
         context: ForwardContext,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """`context` holds this stage's layers only; `intermediate_tensors` feeds every stage but the first;
-        `inputs_embeds` replaces the token embeddings (a multimodal model's, with its images in)."""
+        `inputs_embeds` replaces the token embeddings (a multimodal model's, with its images in), and
+        `cos_sin` the rotary embedding of `positions` (M-RoPE's, where image tokens rotate in 3D)."""
         if self.is_first_stage:
             hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
         else:
             assert intermediate_tensors is not None, "a later pipeline stage starts from the previous one's tensors"
             hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
-        cos_sin = self.rotary_emb(positions)
+        if cos_sin is None:
+            cos_sin = self.rotary_emb(positions)
         for index, layer in enumerate(self.layers[self.start_layer : self.end_layer], self.start_layer):
             if index in self.aux_hidden_state_layers:
                 self._save_aux_hidden_state(index, hidden_states if residual is None else hidden_states + residual)

@@ -75,19 +75,20 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
     def decoder_options(cls, config: PretrainedConfig) -> DecoderOptions:
         return get_model_class(config).decoder_options(config)
 
-    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[N, 3, H, W] processed images -> [N, tokens per image, text hidden] placeholder embeddings."""
-        features = self.vision_tower(pixel_values)
+    def embed_multimodal(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Processed images (`pixel_values` [3, H, W] each, all one size) -> each one's placeholder
+        embeddings [tokens per image, text hidden], encoded in one batch."""
+        features = self.vision_tower(torch.stack([item["pixel_values"] for item in items]))
         if self.drop_cls:
             features = features[:, 1:]
-        return self.multi_modal_projector(features)
+        return list(self.multi_modal_projector(features))
 
-    def dummy_pixel_values(self, num_images: int) -> torch.Tensor:
-        """The largest encoder input of `num_images` images (all images are one size), for profiling."""
+    def dummy_mm_items(self, num_images: int) -> list[dict[str, torch.Tensor]]:
+        """`num_images` encoder inputs of the tower's one size, for profiling."""
         vision = self.vlm_config.vision_config
         weight = self.multi_modal_projector.linear_1.weight
-        shape = (num_images, vision.num_channels, vision.image_size, vision.image_size)
-        return torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        shape = (vision.num_channels, vision.image_size, vision.image_size)
+        return [{"pixel_values": torch.zeros(shape, dtype=weight.dtype, device=weight.device)}] * num_images
 
     def forward(
         self,
