@@ -174,34 +174,25 @@ def png_bytes(image) -> bytes:
 
 @torch.inference_mode()
 def hf_vlm_greedy(
-    model: LlavaForConditionalGeneration, prompt_ids: list[int], pixel_values: torch.Tensor | None, max_new_tokens: int
+    model: torch.nn.Module, prompt_ids: list[int], mm_inputs: dict[str, torch.Tensor], max_new_tokens: int
 ) -> tuple[list[int], list[float], torch.Tensor]:
-    """Greedy continuation by the HF model (its own KV cache, explicit attention mask): the tokens,
-    the top-2 logit margin at each step, and the first step's last-position logits."""
-    tokens: list[int] = []
-    margins: list[float] = []
+    """Greedy continuation by the HF model's generate (explicit attention mask, eos ignored):
+    the tokens, the top-2 logit margin at each step, and the first step's logits."""
     input_ids = torch.tensor([prompt_ids])
-    attention_mask = torch.ones_like(input_ids)
-    past = None
-    first_logits = None
-    for step in range(max_new_tokens):
-        out = model(
-            input_ids=input_ids,
-            pixel_values=pixel_values if step == 0 else None,
-            attention_mask=attention_mask,
-            past_key_values=past,
-            use_cache=True,
-        )
-        past = out.past_key_values
-        logits = out.logits[0, -1].float()
-        if first_logits is None:
-            first_logits = logits
-        top2 = logits.topk(2)
-        margins.append(float(top2.values[0] - top2.values[1]))
-        tokens.append(int(top2.indices[0]))
-        input_ids = top2.indices[:1].view(1, 1)
-        attention_mask = torch.cat([attention_mask, torch.ones(1, 1, dtype=attention_mask.dtype)], dim=1)
-    return tokens, margins, first_logits
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        **mm_inputs,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    logits = [step[0].float() for step in out.logits]
+    margins = [float(top2[0] - top2[1]) for top2 in (step.topk(2).values for step in logits)]
+    return out.sequences[0, len(prompt_ids) :].tolist(), margins, logits[0]
 
 
 def png_header_only(width: int, height: int) -> bytes:

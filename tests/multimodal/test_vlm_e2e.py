@@ -1,7 +1,8 @@
-"""LLaVA-1.5 end to end against HF transformers: greedy tokens up to the first step whose top-2
-margin is under 1e-3 and first-step logits within 1e-4 (float32), for prompts with 0, 1 and 3
-images of different sizes batched with text-only ones, under chunked prefill that splits an
-image's placeholders and under preemption; the encoder cache and the prefix cache with images."""
+"""LLaVA-1.5 and Qwen2.5-VL end to end against HF transformers: greedy tokens up to the first
+step whose top-2 margin is under 1e-3 and first-step logits within 1e-4 (float32), for prompts
+with 0, 1 and 3 images of different sizes batched with text-only ones, under chunked prefill that
+splits an image's placeholders and under preemption; the encoder cache and the prefix cache with
+images; bad images refused while the engine goes on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from engine_utils import TARGETS, target_settings
 from model_utils import assert_greedy_match
 from transformers import AutoImageProcessor
-from vlm_utils import TOKENS_PER_IMAGE, hf_vlm_greedy, random_image
+from vlm_utils import QWEN_IMAGE_TEXT, TOKENS_PER_IMAGE, hf_vlm_greedy, random_image
 
 from pagoda.entrypoints.llm import LLM
 from pagoda.errors import InvalidRequestError
@@ -22,30 +23,45 @@ MAX_TOKENS = 6
 TOP = 5
 
 
-def prompts_with_images() -> list[dict | str]:
-    """Text-only prompts among prompts of one and three images (sizes differ: the processor
-    resizes each to the tower's 30x30)."""
+# How each model writes an image in a text prompt.
+IMAGE_TEXT = {"llava": "<image>", "qwen2_5_vl": QWEN_IMAGE_TEXT}
+
+
+@pytest.fixture(params=["llava", "qwen2_5_vl"])
+def tiny_vlm(request):
+    """(model family, checkpoint directory, HF model)."""
+    return request.param, *request.getfixturevalue(f"tiny_{request.param}")
+
+
+def prompts_with_images(family: str) -> list[dict | str]:
+    """Text-only prompts among prompts of one and three images of different sizes (LLaVA's
+    processor resizes each to the tower's 30x30; Qwen's keeps each one's own resolution)."""
+    image = IMAGE_TEXT[family]
     return [
         "user : w1 w2 w3 w4 w5",
-        {"prompt": "user : w7 <image> w8 w9", "multi_modal_data": {"image": random_image(40, 52, 1)}},
+        {"prompt": f"user : w7 {image} w8 w9", "multi_modal_data": {"image": random_image(40, 52, 1)}},
         {
-            "prompt": "user : w10 <image> w11 <image> w12 w13 <image> w14",
-            "multi_modal_data": {"image": [random_image(64, 20, 2), random_image(30, 30, 3), random_image(17, 90, 4)]},
+            "prompt": f"user : w10 {image} w11 {image} w12 w13 {image} w14",
+            "multi_modal_data": {"image": [random_image(64, 20, 2), random_image(30, 30, 3), random_image(200, 150, 4)]},
         },
         {"prompt": "user : w20 w21 w22", "multi_modal_data": {}},
-        {"prompt": "user : w30 <image> w31", "multi_modal_data": {"image": [random_image(33, 33, 5)]}},
+        {"prompt": f"user : w30 {image} w31", "multi_modal_data": {"image": [random_image(33, 33, 5)]}},
     ]
 
 
 def hf_reference(model, path: str, prompt_ids: list[int], prompt) -> tuple[list[int], list[float], torch.Tensor]:
     images = prompt.get("multi_modal_data", {}).get("image", []) if isinstance(prompt, dict) else []
     images = images if isinstance(images, list) else [images]
-    pixels = AutoImageProcessor.from_pretrained(path)(images, return_tensors="pt")["pixel_values"] if images else None
-    return hf_vlm_greedy(model, prompt_ids, pixels, MAX_TOKENS)
+    mm_inputs = {}
+    if images:
+        mm_inputs = dict(AutoImageProcessor.from_pretrained(path)(images, return_tensors="pt"))
+        if "image_grid_thw" in mm_inputs:  # Qwen: which tokens are images, for its M-RoPE positions
+            mm_inputs["mm_token_type_ids"] = (torch.tensor([prompt_ids]) == model.config.image_token_id).int()
+    return hf_vlm_greedy(model, prompt_ids, mm_inputs, MAX_TOKENS)
 
 
-def check_against_hf(llm: LLM, tiny_llava, prompts) -> None:
-    path, hf_model = tiny_llava
+def check_against_hf(llm: LLM, tiny_vlm, prompts) -> None:
+    _, path, hf_model = tiny_vlm
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -58,36 +74,37 @@ def check_against_hf(llm: LLM, tiny_llava, prompts) -> None:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_llava_batch_matches_hf_with_chunks_splitting_images(tiny_llava, target) -> None:
-    """A step budget of 24 tokens: each 25-token image run is split across chunks (and steps);
-    the encoder budget of 50 tokens holds two images a step."""
+def test_batch_matches_hf_with_chunks_splitting_images(tiny_vlm, target) -> None:
+    """A step budget of 24 tokens: image runs of 25 tokens (LLaVA) and 6 to 60 (Qwen) are split
+    across chunks and steps; an encoder budget of 64 tokens holds two images a step."""
     llm = LLM(
-        tiny_llava[0],
-        max_model_len=256,
+        tiny_vlm[1],
+        max_model_len=512,
         max_num_batched_tokens=24,
-        max_num_encoder_input_tokens=50,
+        max_num_encoder_input_tokens=64,
         logprobs_mode="raw_logits",
         **target_settings(target),
     )
-    prompts = prompts_with_images()
-    check_against_hf(llm, tiny_llava, prompts)
-    image_prompt_len = len(llm.llm_engine.processor.process("x", prompts[2], SamplingParams())[0].prompt_token_ids)
-    assert image_prompt_len == 8 + 3 * TOKENS_PER_IMAGE  # <s> user : and five words
+    prompts = prompts_with_images(tiny_vlm[0])
+    check_against_hf(llm, tiny_vlm, prompts)
+    if tiny_vlm[0] == "llava":
+        image_prompt_len = len(llm.llm_engine.processor.process("x", prompts[2], SamplingParams())[0].prompt_token_ids)
+        assert image_prompt_len == 8 + 3 * TOKENS_PER_IMAGE  # <s> user : and five words
 
 
-def test_llava_matches_hf_under_preemption(tiny_llava) -> None:
-    """A pool of 16 blocks of 4 tokens for prompts of up to 90 tokens: requests preempt each other
-    and resume (their images encoded again, from the encoder cache)."""
+def test_matches_hf_under_preemption(tiny_vlm) -> None:
+    """A pool of 24 blocks of 4 tokens for prompts of up to 90 tokens: requests preempt each
+    other and resume (their images encoded again, from the encoder cache)."""
     llm = LLM(
-        tiny_llava[0],
-        max_model_len=256,
+        tiny_vlm[1],
+        max_model_len=512,
         max_num_batched_tokens=32,
         block_size=4,
-        num_gpu_blocks=32,
+        num_gpu_blocks=24,
         logprobs_mode="raw_logits",
         **target_settings(("cpu", "torch", False)),
     )
-    check_against_hf(llm, tiny_llava, prompts_with_images()[1:3] * 2)
+    check_against_hf(llm, tiny_vlm, prompts_with_images(tiny_vlm[0])[1:3] * 2)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
 
 
