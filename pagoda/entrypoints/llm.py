@@ -120,7 +120,9 @@ class LLM:
         prompts = [self._chat_prompt(c, add_generation_prompt, chat_template) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
-    def _chat_prompt(self, messages: Conversation, add_generation_prompt: bool, chat_template: str | None) -> PromptType:
+    def _chat_prompt(
+        self, messages: Conversation, add_generation_prompt: bool, chat_template: str | None
+    ) -> PromptType:
         """The conversation's prompt: token ids, with its images beside them when its contents have any."""
         messages, images = split_content_images(messages)
         if not images:
@@ -129,7 +131,9 @@ class LLM:
         if tokenizer is None:
             raise InvalidRequestError("messages", "this model has no tokenizer, so no chat template")
         image_token_ids = self.llm_engine.processor.image_prompt_token_ids()
-        token_ids = render_chat(tokenizer, messages, add_generation_prompt, chat_template, image_token_ids=image_token_ids)
+        token_ids = render_chat(
+            tokenizer, messages, add_generation_prompt, chat_template, image_token_ids=image_token_ids
+        )
         return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
 
     def embed(

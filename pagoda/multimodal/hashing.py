@@ -31,4 +31,3 @@ def block_mm_keys(features: Sequence[MultiModalFeatureSpec], start: int, end: in
         if feature.mm_position.overlaps(start, end)
     ]
     return ";".join(keys).encode()
-

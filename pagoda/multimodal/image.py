@@ -116,9 +116,7 @@ def _fetch(url: str, field_name: str, limits: MediaLimits) -> bytes:
             for chunk in response.iter_bytes():
                 size += len(chunk)
                 if size > limits.max_bytes:
-                    raise InvalidRequestError(
-                        field_name, f"{field_name} is over the limit of {limits.max_bytes} bytes"
-                    )
+                    raise InvalidRequestError(field_name, f"{field_name} is over the limit of {limits.max_bytes} bytes")
                 chunks.append(chunk)
             return b"".join(chunks)
     except httpx.HTTPError as error:

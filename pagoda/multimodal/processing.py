@@ -62,7 +62,11 @@ class Qwen2VLPlaceholders:
 
     def __init__(self, config: PretrainedConfig) -> None:
         self.image_token_id = int(config.image_token_id)
-        self.prompt_token_ids = [int(config.vision_start_token_id), self.image_token_id, int(config.vision_end_token_id)]
+        self.prompt_token_ids = [
+            int(config.vision_start_token_id),
+            self.image_token_id,
+            int(config.vision_end_token_id),
+        ]
         self.merge = int(config.vision_config.spatial_merge_size)
 
     def items(self, processed: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -134,7 +138,9 @@ class MultiModalProcessor:
         except InvalidRequestError:
             raise
         except Exception as error:  # an image the processor cannot prepare is the request's fault
-            raise InvalidRequestError("multi_modal_data.image", f"the images could not be processed: {error}") from error
+            raise InvalidRequestError(
+                "multi_modal_data.image", f"the images could not be processed: {error}"
+            ) from error
         expanded: list[int] = []
         features = []
         previous = 0
@@ -172,7 +178,11 @@ class MultiModalProcessor:
         else:
             text = None
             token_ids = prompt.get("prompt_token_ids")
-            if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-                raise InvalidRequestError("prompt", "a prompt dict needs 'prompt' (a string) or 'prompt_token_ids' (ints)")
+            if not isinstance(token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+            ):
+                raise InvalidRequestError(
+                    "prompt", "a prompt dict needs 'prompt' (a string) or 'prompt_token_ids' (ints)"
+                )
         token_ids, features = self.process(token_ids, images)
         return text, token_ids, features

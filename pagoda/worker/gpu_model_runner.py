@@ -697,7 +697,9 @@ class GPUModelRunner:
             slot_mapping.np[:total] = block_ids.astype(np.int64) * block_size + positions % block_size
             slot_mapping.np[total:num_input_tokens] = -1
         if self.encoder_runner is not None:  # M-RoPE: rotary positions past images differ from indices
-            self.encoder_runner.shift_positions(batch.req_ids, cu_num_tokens - num_scheduled, num_scheduled, self.positions.np)
+            self.encoder_runner.shift_positions(
+                batch.req_ids, cu_num_tokens - num_scheduled, num_scheduled, self.positions.np
+            )
 
         seq_lens = num_computed + num_scheduled
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])

@@ -28,7 +28,10 @@ def data_url(data: bytes) -> str:
 
 def messages_with(url: str) -> list[dict]:
     return [
-        {"role": "user", "content": [{"type": "text", "text": "w1 w2"}, {"type": "image_url", "image_url": {"url": url}}]}
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "w1 w2"}, {"type": "image_url", "image_url": {"url": url}}],
+        }
     ]
 
 

@@ -42,7 +42,9 @@ def prompts_with_images(family: str) -> list[dict | str]:
         {"prompt": f"user : w7 {image} w8 w9", "multi_modal_data": {"image": random_image(40, 52, 1)}},
         {
             "prompt": f"user : w10 {image} w11 {image} w12 w13 {image} w14",
-            "multi_modal_data": {"image": [random_image(64, 20, 2), random_image(30, 30, 3), random_image(200, 150, 4)]},
+            "multi_modal_data": {
+                "image": [random_image(64, 20, 2), random_image(30, 30, 3), random_image(200, 150, 4)]
+            },
         },
         {"prompt": "user : w20 w21 w22", "multi_modal_data": {}},
         {"prompt": f"user : w30 {image} w31", "multi_modal_data": {"image": [random_image(33, 33, 5)]}},
@@ -120,7 +122,9 @@ def test_encoder_cache_hit_and_prefix_cache_with_images(tiny_llava) -> None:
     image, other = random_image(40, 40, 7), random_image(40, 40, 8)
 
     def run(text: str, picture) -> list[int]:
-        return list(llm.generate({"prompt": text, "multi_modal_data": {"image": picture}}, params)[0].outputs[0].token_ids)
+        return list(
+            llm.generate({"prompt": text, "multi_modal_data": {"image": picture}}, params)[0].outputs[0].token_ids
+        )
 
     first = run("user : w1 w2 w3 <image> w4", image)
     assert (encoder.cache.hits, encoder.num_encoded_images) == (0, 1)

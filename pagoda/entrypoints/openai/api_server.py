@@ -53,7 +53,6 @@ from pagoda.entrypoints.openai.errors import (
 )
 from pagoda.entrypoints.openai.http_server import DrainingServer, uvicorn_config
 from pagoda.entrypoints.openai.limits import request_limits
-from pagoda.multimodal.processing import is_multimodal
 from pagoda.entrypoints.openai.middleware import BodySizeLimitMiddleware, DrainingMiddleware
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -85,6 +84,7 @@ from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokeniza
 from pagoda.entrypoints.openai.ui_routes import OPEN_PATHS as UI_OPEN_PATHS
 from pagoda.entrypoints.openai.ui_routes import add_ui_routes
 from pagoda.metrics import CONTENT_TYPE
+from pagoda.multimodal.processing import is_multimodal
 from pagoda.process_exit import freeze_startup_objects
 from pagoda.worker.worker import SLEEP_TAGS
 

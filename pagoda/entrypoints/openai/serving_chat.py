@@ -23,8 +23,6 @@ from starlette.responses import Response
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.chat import render_chat, renders_tools
-from pagoda.multimodal.chat import take_image_urls
-from pagoda.multimodal.image import load_image
 from pagoda.entrypoints.openai.errors import OpenAIError, invalid_request
 from pagoda.entrypoints.openai.message_parser import MessageParser
 from pagoda.entrypoints.openai.protocol import (
@@ -64,6 +62,8 @@ from pagoda.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagoda.entrypoints.openai.tool_prompt import with_tool_prompt
 from pagoda.entrypoints.openai.tools import ToolPlan, call_id, chat_tool_plan
 from pagoda.errors import InvalidRequestError
+from pagoda.multimodal.chat import take_image_urls
+from pagoda.multimodal.image import load_image
 from pagoda.outputs import RequestOutput, SampleLogprobs
 
 FUNCTIONS_GONE = "functions and function_call (OpenAI's older tool API) are not supported: send tools and tool_choice"

@@ -54,9 +54,13 @@ class LlavaMultiModalProjector(nn.Module):
 class LlavaForConditionalGeneration(DecoderForCausalLM):
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         if config.vision_config.model_type != "clip_vision_model":
-            raise ValueError(f"LLaVA with a {config.vision_config.model_type!r} vision tower is not supported; only CLIP")
+            raise ValueError(
+                f"LLaVA with a {config.vision_config.model_type!r} vision tower is not supported; only CLIP"
+            )
         if config.vision_feature_select_strategy not in ("default", "full"):
-            raise ValueError(f"vision_feature_select_strategy {config.vision_feature_select_strategy!r} is not supported")
+            raise ValueError(
+                f"vision_feature_select_strategy {config.vision_feature_select_strategy!r} is not supported"
+            )
         super().__init__(config.get_text_config(), attn_backend)
         self.vlm_config = config
         layers = config.vision_feature_layer

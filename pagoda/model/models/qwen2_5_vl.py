@@ -114,7 +114,9 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.hidden = config.hidden_size * config.spatial_merge_size**2
         self.ln_q = VisionRMSNorm(config.hidden_size)
-        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, config.out_hidden_size))
+        self.mlp = nn.Sequential(
+            nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, config.out_hidden_size)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.hidden))
@@ -145,7 +147,10 @@ class VisionLayout:
         for t, h, w in grids:
             hpos, wpos = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
             block = (h // merge, merge, w // merge, merge)
-            hw = np.stack([hpos.reshape(block).transpose(0, 2, 1, 3).ravel(), wpos.reshape(block).transpose(0, 2, 1, 3).ravel()], -1)
+            hw = np.stack(
+                [hpos.reshape(block).transpose(0, 2, 1, 3).ravel(), wpos.reshape(block).transpose(0, 2, 1, 3).ravel()],
+                -1,
+            )
             positions.append(np.tile(hw, (t, 1)))
             gh, gw = h // merge, w // merge
             pad_h, pad_w = window - gh % window, window - gw % window
@@ -225,7 +230,9 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
         processor_max = 28 * 28 * 1280
         side = int(processor_max**0.5) // 28 * 28
         self.profile_grid = (1, side // vision.patch_size, side // vision.patch_size)
-        self.max_tokens_per_image = side // vision.patch_size * (side // vision.patch_size) // vision.spatial_merge_size**2
+        self.max_tokens_per_image = (
+            side // vision.patch_size * (side // vision.patch_size) // vision.spatial_merge_size**2
+        )
 
     @classmethod
     def decoder_options(cls, config: PretrainedConfig) -> DecoderOptions:
