@@ -101,6 +101,7 @@ def test_matches_hf_under_preemption(tiny_vlm) -> None:
         tiny_vlm[1],
         max_model_len=512,
         max_num_batched_tokens=32,
+        max_num_encoder_input_tokens=64,
         block_size=4,
         num_gpu_blocks=24,
         logprobs_mode="raw_logits",
