@@ -50,8 +50,7 @@ class Processor:
         self.eos_token_ids = eos_token_ids
         self.lora_checker = LoRARequestChecker(config.lora_config, config.model_config.hf_config)
         self.media_limits = media_limits or MediaLimits()
-        scheduler = config.scheduler_config
-        self.encoder_budget = scheduler.max_num_encoder_input_tokens or scheduler.max_num_batched_tokens
+        self.config = config
         self._mm_processor = None  # made with the first multimodal prompt (see pagoda/multimodal)
 
     def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
@@ -168,12 +167,14 @@ class Processor:
         text, token_ids, features = processor.process_prompt(
             prompt, lambda text, special: self.encode(text, special), image_text
         )
+        scheduler = self.config.scheduler_config
+        encoder_budget = scheduler.max_num_encoder_input_tokens or scheduler.max_num_batched_tokens
         for i, feature in enumerate(features):
-            if feature.mm_position.length > self.encoder_budget:
+            if feature.mm_position.length > encoder_budget:
                 raise InvalidRequestError(
                     f"multi_modal_data.image[{i}]",
                     f"multi_modal_data.image[{i}] is {feature.mm_position.length} tokens once processed; one step "
-                    f"encodes at most max_num_encoder_input_tokens = {self.encoder_budget}",
+                    f"encodes at most max_num_encoder_input_tokens = {encoder_budget}",
                 )
         return text, token_ids, features
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from pagoda.config import SchedulerConfig
 from pagoda.multimodal.encoder_cache import EncoderCache
+from pagoda.multimodal.encoder_cuda_graph import DEFAULT_ENCODER_GRAPH_SIZES, EncoderCudaGraphManager
 from pagoda.multimodal.inputs import MultiModalEmbeddings, MultiModalFeatureSpec
 from pagoda.multimodal.mrope import MRopeLayout, mrope_layout
 from pagoda.scheduler.output import SchedulerOutput
@@ -36,6 +37,8 @@ class EncoderRunner:
         # seconds are added to `encoder_seconds` (off by default: it stalls the step).
         self.timed = False
         self.encoder_seconds = 0.0
+        # Set by `make_cuda_graphs` for encoders of one input shape on CUDA (captured by the model runner).
+        self.cuda_graphs: EncoderCudaGraphManager | None = None
         # M-RoPE models: each request's image layout (its positions' shifts), by request.
         self.spatial_merge_size: int | None = getattr(model, "mrope_spatial_merge_size", None)
         self.mrope_layouts: dict[str, MRopeLayout] = {}
@@ -80,7 +83,7 @@ class EncoderRunner:
         if not pending:
             return
         started = self._clock() if self.timed else 0.0
-        outputs = self.model.embed_multimodal(self._extract_mm_kwargs([feature for feature, _ in pending.values()]))
+        outputs = self._encode(self._extract_mm_kwargs([feature for feature, _ in pending.values()]))
         if self.timed:
             self.encoder_seconds += self._clock() - started
         self.num_encoded_images += len(pending)
@@ -89,6 +92,25 @@ class EncoderRunner:
             self.cache.put(identifier, output.clone(), first)
             for req_id in others:
                 self.cache.acquire(identifier, req_id)
+
+    def _encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each image's encoder output: a captured graph's replay where one fits, else eager."""
+        if self.cuda_graphs is not None and self.cuda_graphs.captured:
+            output = self.cuda_graphs.run(torch.stack([item["pixel_values"] for item in items]))
+            if output is not None:
+                return list(output)
+        return self.model.embed_multimodal(items)
+
+    def make_cuda_graphs(self) -> None:
+        """Graphs for 1, 2, 4 and 8 images (those within a step's encoder budget), when every image
+        has one input shape (the model's `encoder_graph_input_shape`); captured later."""
+        shape = getattr(self.model, "encoder_graph_input_shape", None)
+        if shape is None:
+            return
+        most = max(1, self.encoder_budget // self.model.max_tokens_per_image)
+        sizes = [size for size in DEFAULT_ENCODER_GRAPH_SIZES if size <= most]
+        dtype = next(self.model.parameters()).dtype
+        self.cuda_graphs = EncoderCudaGraphManager(self.model.encode_images, shape, dtype, self.device, sizes)
 
     def _clock(self) -> float:
         if self.device.type == "cuda":

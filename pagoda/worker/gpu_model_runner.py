@@ -282,6 +282,8 @@ class GPUModelRunner:
             from pagoda.multimodal.encoder_runner import make_encoder_runner
 
             self.encoder_runner = make_encoder_runner(self.model, self.scheduler_config, self.device)
+            if self.device.type == "cuda" and not self.config.compilation_config.enforce_eager:
+                self.encoder_runner.make_cuda_graphs()
         layers = self._attention_layers()
         self.cudagraph_manager = self._make_cudagraph_manager(
             min((layer.backend.cudagraph_support for layer in layers), default=CUDAGraphSupport.ALWAYS)
@@ -400,6 +402,7 @@ class GPUModelRunner:
     @torch.inference_mode()
     def capture_model(self) -> None:
         """Capture every graph, largest first, over the real KV cache."""
+        self._capture_encoder_graphs()
         if self.cudagraph_manager is None:
             return
         start = time.perf_counter()
@@ -426,9 +429,10 @@ class GPUModelRunner:
         two smallest (what each further graph adds) into a scratch manager over the one-block
         profile cache, then frees them; the estimate scales the per-graph part to every graph.
         """
+        encoder_graphs = self._capture_encoder_graphs()
         manager = self.cudagraph_manager
         if manager is None:
-            return 0
+            return encoder_graphs
         keys = manager.descriptors
         largest = list(dict.fromkeys([keys[0], *[key for key in keys if key.uniform_decode][:1]]))
         smallest = [key for key in keys[-2:] if key not in largest]
@@ -447,7 +451,19 @@ class GPUModelRunner:
         per_graph = measure(scratch, smallest) / len(smallest) if smallest else 0
         del scratch
         torch.cuda.empty_cache()
-        return int(pool_and_first + per_graph * (len(keys) - len(largest)))
+        return encoder_graphs + int(pool_and_first + per_graph * (len(keys) - len(largest)))
+
+    def _capture_encoder_graphs(self) -> int:
+        """Capture the encoder's graphs once (they need no KV cache); the device bytes they took."""
+        graphs = self.encoder_runner.cuda_graphs if self.encoder_runner is not None else None
+        if graphs is None or graphs.captured:
+            return 0
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        graphs.capture()
+        torch.cuda.synchronize()
+        logger.info("captured encoder CUDA graphs for %s images", graphs.sizes)
+        return free_before - torch.cuda.mem_get_info()[0]
 
     def _capture_graphs(self, manager: CudaGraphManager, keys: list[BatchDescriptor]) -> None:
         """Capture `keys` on dummy batches of their kind and size, over the current KV cache.

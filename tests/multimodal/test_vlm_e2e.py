@@ -160,3 +160,26 @@ def test_bad_images_are_refused_and_the_engine_goes_on(tiny_llava) -> None:
         assert error.value.param.startswith("multi_modal_data")
     good = {"prompt": "user : <image> w1", "multi_modal_data": {"image": random_image(8, 8, 0)}}
     assert len(llm.generate(good, params)[0].outputs[0].token_ids) == 2
+
+
+def test_abort_mid_image_frees_its_encoder_cache_entry(tiny_llava) -> None:
+    """A request aborted while its image's placeholders are half computed: the runner drops its
+    images and cache holds (the entry stays, idle, for a later request with the image)."""
+    llm = LLM(
+        tiny_llava[0],
+        max_model_len=256,
+        max_num_batched_tokens=16,
+        max_num_encoder_input_tokens=32,
+        **target_settings(("cpu", "torch", False)),
+    )
+    engine = llm.llm_engine
+    prompt = {"prompt": "user : w1 <image> w2", "multi_modal_data": {"image": random_image(20, 20, 3)}}
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=4))
+    engine.step()  # the first 16 of 30 prompt tokens: the image encoded, its placeholders half placed
+    encoder = runner_of(llm).encoder_runner
+    assert encoder.num_encoded_images == 1 and encoder.cache.held_req_ids == [request_id]
+    engine.abort_requests([request_id])
+    while engine.engine_core.has_work():
+        engine.step()
+    assert encoder.cache.held_req_ids == [] and encoder.cache.num_entries == 1
+    engine.check_idle()

@@ -79,20 +79,29 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
     def decoder_options(cls, config: PretrainedConfig) -> DecoderOptions:
         return get_model_class(config).decoder_options(config)
 
+    @property
+    def encoder_graph_input_shape(self) -> tuple[int, ...]:
+        """Every image's `pixel_values` shape: the encoder (`encode_images`) can run as CUDA graphs."""
+        vision = self.vlm_config.vision_config
+        return (vision.num_channels, vision.image_size, vision.image_size)
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, 3, H, W] processed images -> [N, tokens per image, text hidden] placeholder embeddings."""
+        features = self.vision_tower(pixel_values)
+        if self.drop_cls:
+            features = features[:, 1:]
+        return self.multi_modal_projector(features)
+
     def embed_multimodal(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Processed images (`pixel_values` [3, H, W] each, all one size) -> each one's placeholder
         embeddings [tokens per image, text hidden], encoded in one batch."""
-        features = self.vision_tower(torch.stack([item["pixel_values"] for item in items]))
-        if self.drop_cls:
-            features = features[:, 1:]
-        return list(self.multi_modal_projector(features))
+        return list(self.encode_images(torch.stack([item["pixel_values"] for item in items])))
 
     def dummy_mm_items(self, num_images: int) -> list[dict[str, torch.Tensor]]:
         """`num_images` encoder inputs of the tower's one size, for profiling."""
-        vision = self.vlm_config.vision_config
         weight = self.multi_modal_projector.linear_1.weight
-        shape = (vision.num_channels, vision.image_size, vision.image_size)
-        return [{"pixel_values": torch.zeros(shape, dtype=weight.dtype, device=weight.device)}] * num_images
+        pixels = torch.zeros(self.encoder_graph_input_shape, dtype=weight.dtype, device=weight.device)
+        return [{"pixel_values": pixels}] * num_images
 
     def forward(
         self,
