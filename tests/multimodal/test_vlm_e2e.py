@@ -183,3 +183,26 @@ def test_abort_mid_image_frees_its_encoder_cache_entry(tiny_llava) -> None:
         engine.step()
     assert encoder.cache.held_req_ids == [] and encoder.cache.num_entries == 1
     engine.check_idle()
+
+
+def test_chat_image_parts_become_the_models_image_tokens(tiny_vlm) -> None:
+    """LLM.chat's content parts: an image part is written as the family's image tokens where it
+    was (Qwen's with its vision start/end), the same prompt and answer as the text prompt."""
+    family, path, _ = tiny_vlm
+    llm = LLM(path, max_model_len=512, **target_settings(("cpu", "torch", False)))
+    image = random_image(40, 40, 9)
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    content = [
+        {"type": "text", "text": "w1"},
+        {"type": "image_pil", "image_pil": image},
+        {"type": "text", "text": "w2"},
+    ]
+    (chat,) = llm.chat([{"role": "user", "content": content}], params)
+    text = f"<s>user : w1\n{IMAGE_TEXT[family]}\nw2 </s> assistant : "
+    tokenizer = llm.get_tokenizer()
+    pieces = text.removeprefix("<s>").split(IMAGE_TEXT[family])
+    expected_prefix = [tokenizer.bos_token_id, *tokenizer.encode(pieces[0], add_special_tokens=False)]
+    (plain,) = llm.generate({"prompt": text.removeprefix("<s>"), "multi_modal_data": {"image": image}}, params)
+    assert chat.prompt_token_ids[: len(expected_prefix)] == expected_prefix
+    assert chat.prompt_token_ids == plain.prompt_token_ids
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
