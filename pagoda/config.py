@@ -347,6 +347,10 @@ class ParallelConfig:
                 f"pipeline_parallel_size must be <= the model's {model_config.num_layers} layers, "
                 f"got {self.pipeline_parallel_size}"
             )
+        if self.pipeline_parallel_size > 1 and hasattr(model_config.hf_config, "vision_config"):
+            raise ConfigError(
+                "vision-language models run without pipeline parallelism: pipeline_parallel_size must be 1"
+            )
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")

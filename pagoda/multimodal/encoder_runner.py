@@ -184,8 +184,7 @@ class EncoderRunner:
     def profile_outputs(self) -> list[torch.Tensor]:
         """The encoder's outputs for a step that spends the whole encoder budget, so that a
         profile run measures the encoder's peak and its outputs' memory."""
-        num_images = max(1, self.encoder_budget // self.model.max_tokens_per_image)
-        return self.model.embed_multimodal(self.model.dummy_mm_items(num_images))
+        return self.model.embed_multimodal(self.model.dummy_mm_items(self.encoder_budget))
 
 
 def make_encoder_runner(model: nn.Module, scheduler_config: SchedulerConfig, device: torch.device) -> EncoderRunner:

@@ -232,7 +232,7 @@ class GPUModelRunner:
         self.cudagraph_manager: CudaGraphManager | None = None
         # LoRA adapters' device slots and the step's per-token slot index (built with the model).
         self.lora_manager: LoRAManager | None = None
-        # Multimodal models (first pipeline stage): the images' encoder runs and cache (set by load_model).
+        # Multimodal models: the images' encoder runs and cache (set by load_model; no pipeline parallelism).
         self.encoder_runner: EncoderRunner | None = None
         # Structured output: the requests with a grammar, and what advances their grammars and
         # fills their masks off the step's critical path (made with the first one; nothing of
@@ -278,7 +278,7 @@ class GPUModelRunner:
                 self.dtype,
                 use_triton=self.device.type == "cuda" or self.attn_backend.name == "triton",
             )
-        if self.is_first_stage and hasattr(self.model, "embed_multimodal"):
+        if hasattr(self.model, "embed_multimodal"):
             from pagoda.multimodal.encoder_runner import make_encoder_runner
 
             self.encoder_runner = make_encoder_runner(self.model, self.scheduler_config, self.device)

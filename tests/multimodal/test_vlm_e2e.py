@@ -206,3 +206,27 @@ def test_chat_image_parts_become_the_models_image_tokens(tiny_vlm) -> None:
     assert chat.prompt_token_ids[: len(expected_prefix)] == expected_prefix
     assert chat.prompt_token_ids == plain.prompt_token_ids
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_profile_run_includes_a_step_of_encoder_work(tiny_vlm) -> None:
+    """The memory profile's dummy step encodes images totalling the encoder budget (at most), then
+    runs the decoder with their outputs alive (what a real first chunk holds)."""
+    llm = LLM(
+        tiny_vlm[1],
+        max_model_len=512,
+        max_num_batched_tokens=128,
+        max_num_encoder_input_tokens=64,
+        **target_settings(("cpu", "torch", False)),
+    )
+    runner = runner_of(llm)
+    outputs = runner.encoder_runner.profile_outputs()
+    assert 25 <= sum(len(output) for output in outputs) <= 64
+    runner.profile_run()
+    assert runner.encoder_runner.cache.num_entries == 0  # profiling caches nothing
+
+
+def test_pipeline_parallelism_is_refused(tiny_llava) -> None:
+    from pagoda.config import ConfigError
+
+    with pytest.raises(ConfigError, match="pipeline_parallel_size must be 1"):
+        LLM(tiny_llava[0], pipeline_parallel_size=2, device="cpu")

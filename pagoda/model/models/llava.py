@@ -97,8 +97,9 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
         embeddings [tokens per image, text hidden], encoded in one batch."""
         return list(self.encode_images(torch.stack([item["pixel_values"] for item in items])))
 
-    def dummy_mm_items(self, num_images: int) -> list[dict[str, torch.Tensor]]:
-        """`num_images` encoder inputs of the tower's one size, for profiling."""
+    def dummy_mm_items(self, num_tokens: int) -> list[dict[str, torch.Tensor]]:
+        """As many images as `num_tokens` encoder output tokens hold (at least one), for profiling."""
+        num_images = max(1, num_tokens // self.max_tokens_per_image)
         weight = self.multi_modal_projector.linear_1.weight
         pixels = torch.zeros(self.encoder_graph_input_shape, dtype=weight.dtype, device=weight.device)
         return [{"pixel_values": pixels}] * num_images

@@ -226,13 +226,6 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
         self.register_buffer(
             "mrope_axis", torch.repeat_interleave(torch.arange(3), torch.tensor(section)), persistent=False
         )
-        # An image of the processor's largest size, for profiling: max_pixels in patches of 28 px.
-        processor_max = 28 * 28 * 1280
-        side = int(processor_max**0.5) // 28 * 28
-        self.profile_grid = (1, side // vision.patch_size, side // vision.patch_size)
-        self.max_tokens_per_image = (
-            side // vision.patch_size * (side // vision.patch_size) // vision.spatial_merge_size**2
-        )
 
     @classmethod
     def decoder_options(cls, config: PretrainedConfig) -> DecoderOptions:
@@ -246,13 +239,16 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
         unit = self.mrope_spatial_merge_size**2
         return list(merged.split([t * h * w // unit for t, h, w in grids]))
 
-    def dummy_mm_items(self, num_images: int) -> list[dict[str, torch.Tensor]]:
+    def dummy_mm_items(self, num_tokens: int) -> list[dict[str, torch.Tensor]]:
+        """One square image of about `num_tokens` merged tokens, for profiling: the most one step
+        encodes, and the worst case of its full-attention blocks (one image attends to all of it)."""
         vision = self.vlm_config.vision_config
-        t, h, w = self.profile_grid
+        merge = vision.spatial_merge_size
+        side = max(1, int(num_tokens**0.5)) * merge
         weight = self.visual.patch_embed.proj.weight
         patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-        pixels = torch.zeros(t * h * w, patch, dtype=weight.dtype, device=weight.device)
-        return [{"pixel_values": pixels, "image_grid_thw": torch.tensor([t, h, w])}] * num_images
+        pixels = torch.zeros(side * side, patch, dtype=weight.dtype, device=weight.device)
+        return [{"pixel_values": pixels, "image_grid_thw": torch.tensor([1, side, side])}]
 
     def forward(
         self,
