@@ -107,3 +107,9 @@ def test_bad_images_are_400s_and_the_server_stays_healthy(llava_server, url: str
     good = {"messages": messages_with(data_url(PNG)), "max_tokens": 2}
     assert llava_server.post("/v1/chat/completions", json=good).status_code == 200
     assert llava_server.wait_idle()["idle"]
+
+
+def test_too_many_images_are_refused_before_any_is_decoded(llava_server) -> None:
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,not-even-base64"}}] * 17
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+    assert_error(llava_server.post("/v1/chat/completions", json=body), 400, "messages", "at most 16")

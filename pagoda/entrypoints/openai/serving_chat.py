@@ -349,8 +349,13 @@ async def render_messages(
 
     def render() -> list[int]:
         image_token_ids = processor.image_prompt_token_ids() if image_urls else None
+        limits = processor.media_limits
+        if len(image_urls) > limits.max_images:  # refused before any is fetched or decoded
+            raise InvalidRequestError(
+                "messages", f"messages have {len(image_urls)} images; at most {limits.max_images} per request"
+            )
         if images is not None:
-            images.extend(load_image(url, field, processor.media_limits) for field, url in image_urls)
+            images.extend(load_image(url, field, limits) for field, url in image_urls)
         return render_chat(
             tokenizer,
             conversation,
