@@ -1,7 +1,8 @@
 """Decoding images from what a request may send, within limits.
 
 Accepted: a PIL image (offline API), raw bytes, a base64 `data:image/...` URL, and an http(s) URL
-whose host is on the allowed list (none by default: remote fetches are refused). The header is
+whose host is on the allowed list (none by default: remote fetches are refused), in the common
+formats of IMAGE_FORMATS. The header is
 read before any pixel is: an image over `max_pixels` (a decompression bomb) is refused without
 being decoded, and so is an encoded file over `max_bytes`. Every failure is an
 `InvalidRequestError` naming the field.
@@ -22,6 +23,8 @@ from pagoda.errors import InvalidRequestError
 DEFAULT_MAX_IMAGE_BYTES = 20 * 2**20
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 REMOTE_FETCH_TIMEOUT_S = 10.0
+# The formats decoded; Pillow's others (EPS runs Ghostscript, among them) are refused.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ def _decode(data: bytes, field_name: str, limits: MediaLimits) -> Any:
 
     try:
         # open() reads the header only: the size is known before any pixel is decoded.
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
             _check_pixels(image.width, image.height, field_name, limits)
             image.load()
             return image.convert("RGB")

@@ -149,6 +149,7 @@ def test_bad_images_are_refused_and_the_engine_goes_on(tiny_llava) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=2)
     cases = [
         ({"image": b"\x89PNG\r\n\x1a\n broken"}, "not a readable image"),
+        ({"image": b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n"}, "not a readable image"),
         ({"image": "data:image/png;base64,@@@notbase64"}, "base64"),
         ({"image": "https://example.com/cat.png"}, "not allowed"),
         ({"image": [random_image(8, 8, 0), random_image(8, 8, 1)]}, "placeholders"),
