@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     import torch
 
     from pagoda.attention.metadata import AttentionMetadata
-    from pagoda.worker.kv_connector.base import KVConnector
     from pagoda.multimodal.inputs import MultiModalEmbeddings
+    from pagoda.worker.kv_connector.base import KVConnector
 
 
 @dataclass(frozen=True)

@@ -150,9 +150,9 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
         for i in range(len(hashes), num_full):
             keys = extra_keys
-            if request.mm_features:  # the images whose placeholders the block covers; 0xFF, never in
-                # UTF-8, ends the salt, so no salt can pass for image keys
-                keys += b"\xff" + block_mm_keys(request.mm_features, i * size, (i + 1) * size)
+            if request.mm_features:  # the images whose placeholders the block covers, tagged like the others
+                images = block_mm_keys(request.mm_features, i * size, (i + 1) * size)
+                keys += b"mm" + struct.pack("<I", len(images)) + images
             parent = hash_block_tokens(parent, tokens[i * size : (i + 1) * size], keys)
             hashes.append(parent)
 
