@@ -34,15 +34,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS, ignore_eos=Tr
 
 
 def make_llm(path: str, offload: bool = True, **kwargs) -> LLM:
-    settings = dict(
-        model=path,
-        device="cpu",
-        dtype="float32",
-        max_model_len=128,
-        block_size=BLOCK_SIZE,
-        num_gpu_blocks=NUM_GPU_BLOCKS,
+    # A CUDA target's `device` replaces the CPU default (found on the H200: it was passed twice).
+    settings = {
+        "model": path,
+        "device": "cpu",
+        "dtype": "float32",
+        "max_model_len": 128,
+        "block_size": BLOCK_SIZE,
+        "num_gpu_blocks": NUM_GPU_BLOCKS,
         **kwargs,
-    )
+    }
     if offload:
         # Sized from a plain engine's block: the tiny model's block is 2 KiB over both layers.
         settings["kv_offload_gib"] = NUM_HOST_BLOCKS * 2048 / 2**30
