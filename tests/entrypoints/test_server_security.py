@@ -34,8 +34,10 @@ def server(shared_server) -> RemoteServer:
 
 def app_routes() -> list[tuple[str, str]]:
     """(method, path) of every route the server's app has, debug routes included. The app is
-    built around a stand-in engine: building it only reads these two attributes."""
-    engine = SimpleNamespace(config=SimpleNamespace(model_config=SimpleNamespace(max_model_len=128)), tokenizer=None)
+    built around a stand-in engine: building it reads only the model's length and config (is it
+    multimodal) and the tokenizer."""
+    model_config = SimpleNamespace(max_model_len=128, hf_config=SimpleNamespace(model_type="llama"))
+    engine = SimpleNamespace(config=SimpleNamespace(model_config=model_config), tokenizer=None)
     app = build_app(engine, "model", ServerOptions(api_key=API_KEY, enable_debug_routes=True))
     routes = []
     for route in app.routes:
