@@ -80,6 +80,30 @@ def reference(path: str, engine: dict, prompt_seed: int = 0) -> tuple[list, np.n
     return _references[key]
 
 
+def check_aborts_in_flight(llm: LLM, batch: list[list[int]], params: SamplingParams, expected: list[list[int]]) -> None:
+    """Abort three requests (while waiting, at the first decode, mid-verify) as the engine
+    speculates; the others must give `expected` (their tokens with speculation off), and the
+    engine must end idle."""
+    engine = llm.llm_engine
+    ids = [engine.add_request(prompt, params) for prompt in batch]
+    results, step, aborted = {}, 0, set()
+    while engine.has_unfinished_requests():
+        step += 1
+        if step in (1, 3, 6):
+            aborted.add(ids[step // 3])
+            engine.abort_requests([ids[step // 3]])
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output.outputs[0]
+    assert len(aborted) == 3 and not aborted & set(results)
+    for i, req_id in enumerate(ids):
+        if req_id not in aborted:
+            assert results[req_id].token_ids == expected[i]
+    while engine.engine_core.has_work():
+        engine.step()
+    engine.check_idle()
+
+
 def save_eagle_head(path: str, target_config, method: str, seed: int = 0, draft_vocab_size: int = 64) -> None:
     """A random EAGLE-1 (`method` "eagle") or EAGLE-3 head for `target_config`, saved in the
     published layout: config.json and model.safetensors with the published tensor names."""

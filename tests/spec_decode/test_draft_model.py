@@ -15,7 +15,7 @@ import pytest
 import torch
 from engine_utils import TARGETS, target_settings
 from model_utils import save_tiny_checkpoint
-from spec_decode_utils import NEW_TOKENS, prompts, reference, run
+from spec_decode_utils import NEW_TOKENS, check_aborts_in_flight, prompts, reference, run
 
 from pagoda import LLM, SamplingParams
 
@@ -111,21 +111,4 @@ def test_aborts_with_steps_in_flight_leave_the_others_unchanged(checkpoints) -> 
     llm = LLM(
         model=checkpoints["qwen3"], **ASYNC_CPU, num_gpu_blocks=256, speculative_config=draft(checkpoints["noisy"], 3)
     )
-    engine = llm.llm_engine
-    ids = [engine.add_request(prompt, GREEDY) for prompt in batch]
-    results, step, aborted = {}, 0, set()
-    while engine.has_unfinished_requests():
-        step += 1
-        if step in (1, 3, 6):  # while waiting, at its first decode, mid-verify
-            aborted.add(ids[step // 3])
-            engine.abort_requests([ids[step // 3]])
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output.outputs[0]
-    assert len(aborted) == 3 and not aborted & set(results)
-    for i, req_id in enumerate(ids):
-        if req_id not in aborted:
-            assert results[req_id].token_ids == expected[i]
-    while engine.engine_core.has_work():
-        engine.step()
-    engine.check_idle()
+    check_aborts_in_flight(llm, batch, GREEDY, expected)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from engine_utils import TARGETS, smollm2_gguf_path, target_settings
 from model_utils import save_tiny_checkpoint
-from spec_decode_utils import NEW_TOKENS, prompts, reference, run
+from spec_decode_utils import NEW_TOKENS, check_aborts_in_flight, prompts, reference, run
 
 from pagoda import LLM, SamplingParams
 from pagoda.model.loader import load_tokenizer
@@ -79,24 +79,7 @@ def test_aborts_with_steps_in_flight_leave_the_others_unchanged(qwen3, target) -
     expected = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     llm.shutdown()
     llm = LLM(model=qwen3, **target, speculative_config=ngram(3))
-    engine = llm.llm_engine
-    ids = [engine.add_request(prompt, params) for prompt in batch]
-    results, step, aborted = {}, 0, set()
-    while engine.has_unfinished_requests():
-        step += 1
-        if step in (1, 3, 6):  # while waiting, at its first decode, mid-verify
-            aborted.add(ids[step // 3])
-            engine.abort_requests([ids[step // 3]])
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output.outputs[0]
-    assert len(aborted) == 3 and not aborted & set(results)
-    for i, req_id in enumerate(ids):
-        if req_id not in aborted:
-            assert results[req_id].token_ids == expected[i]
-    while engine.engine_core.has_work():
-        engine.step()
-    engine.check_idle()
+    check_aborts_in_flight(llm, batch, params, expected)
 
 
 @pytest.fixture(scope="module")
