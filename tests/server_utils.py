@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import httpx
 
@@ -175,3 +176,11 @@ class RemoteServer:
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"the server did not become healthy within {STARTUP_TIMEOUT_S} s")
+
+
+def stand_in_engine(**config: object) -> SimpleNamespace:
+    """An engine for building the server's app without one: building it reads the model's
+    length and config (does it take images), the tokenizer, and whatever `config` adds (such
+    as a cache_config); no request may reach it."""
+    model_config = SimpleNamespace(max_model_len=128, hf_config=SimpleNamespace(model_type="llama"))
+    return SimpleNamespace(config=SimpleNamespace(model_config=model_config, **config), tokenizer=None)

@@ -15,7 +15,6 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -23,7 +22,7 @@ pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
 from fastapi.testclient import TestClient
-from server_utils import API_KEY, LONG_CONTEXT, LONG_SERVER, MODEL, RemoteServer, wait_until
+from server_utils import API_KEY, LONG_CONTEXT, LONG_SERVER, MODEL, RemoteServer, stand_in_engine, wait_until
 
 from pagoda.entrypoints.openai.api_server import build_app
 from pagoda.entrypoints.openai.cli_args import ServerOptions
@@ -37,10 +36,8 @@ GENERATED = "pagoda:generation_tokens_total"
 
 
 def stand_in_app(**options) -> TestClient:
-    """The app around a stand-in engine (building it reads only these attributes); no request
-    here reaches the engine."""
-    engine = SimpleNamespace(config=SimpleNamespace(model_config=SimpleNamespace(max_model_len=128)), tokenizer=None)
-    return TestClient(build_app(engine, "model", ServerOptions(api_key=API_KEY, **options)))
+    """The app around a stand-in engine; no request here reaches the engine."""
+    return TestClient(build_app(stand_in_engine(), "model", ServerOptions(api_key=API_KEY, **options)))
 
 
 @pytest.fixture(scope="module")

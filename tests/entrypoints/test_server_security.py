@@ -8,7 +8,6 @@ sandboxing of templates the server accepts is shown in test_server_limits.py.
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
-from server_utils import API_KEY, KEYED_SERVER, RemoteServer
+from server_utils import API_KEY, KEYED_SERVER, RemoteServer, stand_in_engine
 
 from pagoda.entrypoints.openai.api_server import OPEN_PATHS, build_app
 from pagoda.entrypoints.openai.cli_args import ServerOptions
@@ -33,12 +32,9 @@ def server(shared_server) -> RemoteServer:
 
 
 def app_routes() -> list[tuple[str, str]]:
-    """(method, path) of every route the server's app has, debug routes included. The app is
-    built around a stand-in engine: building it reads only the model's length and config (is it
-    multimodal) and the tokenizer."""
-    model_config = SimpleNamespace(max_model_len=128, hf_config=SimpleNamespace(model_type="llama"))
-    engine = SimpleNamespace(config=SimpleNamespace(model_config=model_config), tokenizer=None)
-    app = build_app(engine, "model", ServerOptions(api_key=API_KEY, enable_debug_routes=True))
+    """(method, path) of every route the server's app has, debug routes included, built around
+    a stand-in engine."""
+    app = build_app(stand_in_engine(), "model", ServerOptions(api_key=API_KEY, enable_debug_routes=True))
     routes = []
     for route in app.routes:
         path = re.sub(r"\{[^}]*\}", "x", route.path)  # any path parameter gets a value

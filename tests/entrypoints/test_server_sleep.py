@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
 from fastapi.testclient import TestClient
-from server_utils import API_KEY, HTTP_TIMEOUT_S, RemoteServer
+from server_utils import API_KEY, HTTP_TIMEOUT_S, RemoteServer, stand_in_engine
 
 from pagoda.engine.async_llm import STALL_TIMEOUT_ENV
 from pagoda.entrypoints.openai.api_server import build_app
@@ -133,10 +133,8 @@ def test_update_weights_loads_in_place(server: RemoteServer, greedy_text: str, t
 
 def test_the_flags_guard_sleep_and_weight_updates() -> None:
     """Without --enable-sleep-mode or --enable-weight-updates, the routes answer 403 saying which flag."""
-    config = SimpleNamespace(
-        model_config=SimpleNamespace(max_model_len=128), cache_config=SimpleNamespace(enable_sleep_mode=False)
-    )
-    client = TestClient(build_app(SimpleNamespace(config=config, tokenizer=None), "model"))
+    engine = stand_in_engine(cache_config=SimpleNamespace(enable_sleep_mode=False))
+    client = TestClient(build_app(engine, "model"))
     response = client.post("/sleep")
     assert response.status_code == 403 and "--enable-sleep-mode" in response.json()["error"]["message"]
     response = client.post("/update_weights", json={"path": "/tmp"})
