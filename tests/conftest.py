@@ -43,11 +43,28 @@ def _registering_init(self: LLMEngine, *args, **kwargs) -> None:
 LLMEngine.__init__ = _registering_init
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item, for fixtures that act on a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"report_{report.when}", report)
+
+
 @pytest.fixture(autouse=True)
-def _engines_end_idle():
+def _engines_end_idle(request):
+    """Check every engine idle after the test; shut down those a failed test built. Its
+    traceback keeps them alive, and on a GPU each holds most of the memory: left running, they
+    would fail every later test with an empty KV cache."""
+    before = set(ENGINES)
     yield
+    report = getattr(request.node, "report_call", None)
+    failed = report is not None and report.failed
     for engine in list(ENGINES):
-        check_engine_idle(engine)
+        if failed and engine not in before:
+            engine.shutdown()
+        else:
+            check_engine_idle(engine)
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ the pool whole (`check_idle`). On CUDA the same through the Triton kernels and C
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import random
 
@@ -17,6 +18,7 @@ import torch
 from engine_utils import TARGETS, target_settings
 from model_utils import assert_greedy_match, randomize_
 from transformers import AutoModelForCausalLM, BambaConfig, Mamba2Config
+from transformers.models.mamba2 import modeling_mamba2
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import ConfigError
@@ -28,9 +30,13 @@ LOGPROB_ATOL = 1e-4
 NEW_TOKENS = 10
 ENGINE = {"max_model_len": 128, "block_size": 16}
 _MAMBA = dict(vocab_size=256, hidden_size=64, tie_word_embeddings=False)
+# The gated RMSNorm normalizes each of the n_groups slices on its own (mamba_ssm, and
+# transformers since its norm took a group_size); older transformers (5.17 on the GPU machine)
+# normalize all groups at once, so there HF is a reference only for checkpoints of one group.
+N_GROUPS = 2 if "group_size" in inspect.signature(modeling_mamba2.MambaRMSNormGated.__init__).parameters else 1
 CONFIGS = {
     "mamba2": Mamba2Config(
-        **_MAMBA, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=8
+        **_MAMBA, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=N_GROUPS, chunk_size=8
     ),
     # Layer 1 attends, layers 0 and 2 are Mamba-2: two state groups and a full-attention group.
     "bamba": BambaConfig(
@@ -43,7 +49,7 @@ CONFIGS = {
         attn_layer_indices=[1],
         mamba_n_heads=8,
         mamba_d_head=16,
-        mamba_n_groups=2,
+        mamba_n_groups=N_GROUPS,
         mamba_d_state=16,
         mamba_chunk_size=8,
     ),

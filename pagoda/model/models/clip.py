@@ -18,16 +18,25 @@ class CLIPVisionEmbeddings(nn.Module):
         self.patch_embedding = nn.Conv2d(
             config.num_channels, config.hidden_size, config.patch_size, config.patch_size, bias=False
         )
+        self.patch_size = config.patch_size
+        self.image_size = config.image_size
         self.num_positions = (config.image_size // config.patch_size) ** 2 + 1
         self.position_embedding = nn.Embedding(self.num_positions, config.hidden_size)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[N, C, H, W] at the configured size -> [N, 1 + patches, hidden] (CLS first)."""
+        """[N, C, H, W] at the configured size -> [N, 1 + patches, hidden] (CLS first). The
+        patch convolution (kernel = stride) runs as the matmul it is over the image cut into
+        patches: float32 stays exact on CUDA, where cuDNN convolutions run in TF32 by default."""
+        n, channels, height, width = pixel_values.shape
+        if (height, width) != (self.image_size, self.image_size):
+            raise ValueError(
+                f"images of {height}x{width} pixels; this vision tower takes {self.image_size}x{self.image_size}"
+            )
         weight = self.patch_embedding.weight
-        patches = self.patch_embedding(pixel_values.to(weight.dtype)).flatten(2).transpose(1, 2)
-        if patches.shape[1] + 1 != self.num_positions:
-            raise ValueError(f"images of {patches.shape[1]} patches; this vision tower takes {self.num_positions - 1}")
-        cls = self.class_embedding.expand(patches.shape[0], 1, -1)
+        side, p = height // self.patch_size, self.patch_size
+        cut = pixel_values.to(weight.dtype).view(n, channels, side, p, side, p).permute(0, 2, 4, 1, 3, 5)
+        patches = F.linear(cut.reshape(n, side * side, channels * p * p), weight.view(len(weight), -1))
+        cls = self.class_embedding.expand(n, 1, -1)
         return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
 
 

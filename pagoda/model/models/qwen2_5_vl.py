@@ -130,14 +130,18 @@ class PatchMerger(nn.Module):
 
 
 class PatchEmbed(nn.Module):
+    """HF's Conv3d whose kernel equals its stride, computed as the matmul it is: each row of
+    `pixel_values` is one flattened (C, T, P, P) patch, the weight's own layout. A matmul also
+    keeps float32 exact on CUDA, where cuDNN convolutions run in TF32 by default."""
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.shape = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, self.shape[1:], self.shape[1:], bias=False)
+        shape = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, shape[1:], shape[1:], bias=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return self.proj(pixel_values.view(-1, *self.shape).to(weight.dtype)).view(len(pixel_values), -1)
+        return F.linear(pixel_values.to(weight.dtype), weight.view(len(weight), -1))
 
 
 class VisionLayout:
