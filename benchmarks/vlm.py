@@ -140,6 +140,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--encoder-cache-size",
+        type=int,
+        default=65536,
+        help="encoder output tokens kept for reuse (the default holds a wave of 128 448x448 images, 256 tokens each)",
+    )
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as path:
@@ -151,6 +157,7 @@ def main() -> None:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
+            encoder_cache_size=args.encoder_cache_size,
         )
         llm.llm_engine.engine_core.executor.worker.model_runner.encoder_runner.timed = True
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
