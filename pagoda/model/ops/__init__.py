@@ -1,6 +1,7 @@
 """Fused Triton kernels for the decoder's elementwise work: RMSNorm with the residual add,
 per-head q/k RMSNorm with rotary embedding, SiLU-and-mul; a GEMV for the linear layers of
-decode-sized batches (`linear`), the same kernel over any batch for batch-invariant inference; and the experts of a mixture-of-experts layer (`triton_fused_moe`).
+decode-sized batches (`linear`), and the same kernel over any batch for batch-invariant
+inference; and the experts of a mixture-of-experts layer (`triton_fused_moe`).
 
 The layers run these kernels on CUDA tensors and their torch ops, the numerical reference,
 everywhere else. triton is optional off the GPU, so the layers import the kernel modules only
