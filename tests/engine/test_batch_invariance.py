@@ -68,19 +68,19 @@ def summary(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) ->
 
 
 def test_requests_alone_and_in_any_batch_are_identical(model_path: str) -> None:
-    probes, probe_params = requests(3, seed=0, max_tokens=4)
+    probes, probe_params = requests(2, seed=0, max_tokens=3)
     llm = LLM(model=model_path, **ENGINE, enable_prefix_caching=False)
     alone = [summary(llm, [prompt], [params])[0] for prompt, params in zip(probes, probe_params, strict=True)]
 
     # Shuffled among random companions, prefills cut into 24-token chunks beside decodes.
-    companions, companion_params = requests(3, seed=1, max_tokens=5)
-    order = list(range(6))
+    companions, companion_params = requests(2, seed=1, max_tokens=4)
+    order = list(range(4))
     random.Random(2).shuffle(order)
     batch = [(probes + companions)[i] for i in order]
     batch_params = [(probe_params + companion_params)[i] for i in order]
     llm = LLM(model=model_path, **ENGINE, max_num_batched_tokens=24)
     batched = summary(llm, batch, batch_params)
-    assert [batched[order.index(i)] for i in range(3)] == alone
+    assert [batched[order.index(i)] for i in range(2)] == alone
 
     # Again on the same engine: the prompts' full blocks now come from the prefix cache.
     kv_cache_manager = llm.llm_engine.engine_core.scheduler.kv_cache_manager
@@ -88,14 +88,14 @@ def test_requests_alone_and_in_any_batch_are_identical(model_path: str) -> None:
     assert summary(llm, probes[::-1], probe_params[::-1]) == alone[::-1]
     assert kv_cache_manager.prefix_cache_hits > hits_before
 
-    # Whole prompts in one step each, all three together.
+    # Whole prompts in one step each, both together.
     llm = LLM(model=model_path, **ENGINE, enable_chunked_prefill=False, enable_prefix_caching=False)
     assert summary(llm, probes, probe_params) == alone
 
 
 def test_speculative_verify_steps_match_decodes(model_path: str) -> None:
     """n-gram drafts verified k + 1 tokens at a time: the same tokens and logprobs as decoding."""
-    prompts, params = requests(2, seed=3, max_tokens=6)
+    prompts, params = requests(2, seed=3, max_tokens=4)
     plain = summary(LLM(model=model_path, **ENGINE), prompts, params)
     speculative = LLM(model=model_path, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert summary(speculative, prompts, params) == plain
