@@ -11,6 +11,9 @@ timed the same way, its TB/s counting the bytes read and written.
     python benchmarks/gemv.py [--tokens 1 2 4 8] [--dtype bf16] [--only qwen]
     python benchmarks/gemv.py --sweep    # every candidate config per (shape, tokens); prints the
                                          # best as TUNED_CONFIGS entries for triton_gemv.py
+    python benchmarks/gemv.py --batch-invariant --tokens 1 16 256 2048 8192
+                                         # batch_invariant_linear (one config per shape, any M)
+                                         # against cuBLAS: the batch-invariant mode's GEMM cost
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from pagoda.benchmarks.cuda_timing import graph_time_us
-from pagoda.model.ops.triton_gemv import MAX_TOKENS, GemvConfig, gemv, gemv_config
+from pagoda.model.ops.triton_gemv import (
+    MAX_TOKENS,
+    GemvConfig,
+    batch_invariant_linear,
+    gemv,
+    gemv_config,
+    invariant_config,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Bytes the rotated weight copies add up to, in L2 sizes (so each copy is evicted before reuse).
@@ -79,8 +89,9 @@ class Case:
     def time_linear(self) -> float:
         return graph_time_us(lambda i: F.linear(self.x, self.weights[i]), len(self.weights))
 
-    def time_gemv(self, config: GemvConfig | None = None) -> float:
-        return graph_time_us(lambda i: gemv(self.x, self.weights[i], config=config), len(self.weights))
+    def time_gemv(self, config: GemvConfig | None = None, batch_invariant: bool = False) -> float:
+        kernel = batch_invariant_linear if batch_invariant else gemv
+        return graph_time_us(lambda i: kernel(self.x, self.weights[i], config=config), len(self.weights))
 
     def tbps(self, us: float) -> float:
         return self.weight_bytes / us / 1e6
@@ -113,9 +124,10 @@ def describe(config: GemvConfig) -> str:
     return f"{config.block_n}x{config.block_k} split{config.split_k} w{config.num_warps} s{config.num_stages}"
 
 
-def compare(shapes: list[Shape], tokens: list[int], dtype: torch.dtype) -> None:
+def compare(shapes: list[Shape], tokens: list[int], dtype: torch.dtype, batch_invariant: bool = False) -> None:
+    """F.linear against the tuned GEMV, or with `batch_invariant` against batch_invariant_linear."""
     print(
-        f"{'shape':<20} {'N':>6} {'K':>6} {'MB':>6} {'M':>2} {'copy us':>8} {'TB/s r+w':>8} "
+        f"{'shape':<20} {'N':>6} {'K':>6} {'MB':>6} {'M':>5} {'copy us':>8} {'TB/s r+w':>8} "
         f"{'linear us':>9} {'TB/s':>5} {'gemv us':>8} {'TB/s':>5} {'speedup':>7}  config"
     )
     copy_us: dict[Shape, float] = {}
@@ -123,10 +135,13 @@ def compare(shapes: list[Shape], tokens: list[int], dtype: torch.dtype) -> None:
         shape = case.shape
         if shape not in copy_us:
             copy_us[shape] = copy_time_us(case.weights)
-        linear_us, gemv_us = case.time_linear(), case.time_gemv()
-        config = gemv_config(shape.n, shape.k, case.x.shape[0], dtype, case.x.device)
+        linear_us, gemv_us = case.time_linear(), case.time_gemv(batch_invariant=batch_invariant)
+        if batch_invariant:
+            config = invariant_config(shape.n, shape.k, dtype, case.x.device)
+        else:
+            config = gemv_config(shape.n, shape.k, case.x.shape[0], dtype, case.x.device)
         print(
-            f"{shape.name:<20} {shape.n:>6} {shape.k:>6} {case.weight_bytes / 1e6:>6.1f} {case.x.shape[0]:>2} "
+            f"{shape.name:<20} {shape.n:>6} {shape.k:>6} {case.weight_bytes / 1e6:>6.1f} {case.x.shape[0]:>5} "
             f"{copy_us[shape]:>8.1f} {2 * case.tbps(copy_us[shape]):>8.2f} {linear_us:>9.1f} "
             f"{case.tbps(linear_us):>5.2f} {gemv_us:>8.1f} {case.tbps(gemv_us):>5.2f} "
             f"{linear_us / gemv_us:>6.2f}x  {describe(config)}"
@@ -195,11 +210,16 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--only", default="", help="shapes whose name contains this")
     parser.add_argument("--sweep", action="store_true", help="try candidate configs, print the best per shape")
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="time batch_invariant_linear (any --tokens) instead of gemv"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
-    if max(args.tokens) > MAX_TOKENS or min(args.tokens) < 1:
-        raise SystemExit(f"--tokens must be 1..{MAX_TOKENS}")
+    if args.batch_invariant and args.sweep:
+        raise SystemExit("--batch-invariant times the invariant configs; --sweep tunes the GEMV's")
+    if min(args.tokens) < 1 or (max(args.tokens) > MAX_TOKENS and not args.batch_invariant):
+        raise SystemExit(f"--tokens must be 1..{MAX_TOKENS} (any count >= 1 with --batch-invariant)")
     shapes = [shape for shape in SHAPES if args.only in shape.name]
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
@@ -208,7 +228,10 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}, {args.dtype}; us per call replayed from a CUDA graph, "
         f"W rotated through {L2_MULTIPLE}x the L2"
     )
-    (sweep if args.sweep else compare)(shapes, args.tokens, dtype)
+    if args.sweep:
+        sweep(shapes, args.tokens, dtype)
+    else:
+        compare(shapes, args.tokens, dtype, args.batch_invariant)
     print(f"\n{time.perf_counter() - started:.0f} s")
 
 

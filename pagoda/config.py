@@ -112,6 +112,9 @@ class ModelConfig:
     # "fp8": FP8 weights, quantized at load from a bf16/fp16 checkpoint; None: as the checkpoint is
     # (an FP8 checkpoint's quantization_config resolves this to "fp8").
     quantization: str | None = None
+    # Every kernel of the forward computes a row in an order that no other row, nor their count,
+    # changes (pagoda/engine/batch_invariance.py says what it covers and refuses).
+    batch_invariant: bool = False
     hf_config: Any = field(default=None, repr=False)
     # Derived from generation_config: SamplingParams fields the model recommends (e.g. temperature),
     # applied wherever a user leaves the field unset.

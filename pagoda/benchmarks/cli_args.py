@@ -39,14 +39,24 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
 
 
-def add_quantization_args(parser: argparse.ArgumentParser) -> None:
-    """FP8 weights and KV cache of the engine under test (the floors still count model-dtype bytes)."""
+def add_numerics_args(parser: argparse.ArgumentParser) -> None:
+    """How the engine under test computes: FP8 weights and KV cache (the floors still count
+    model-dtype bytes), batch-invariant kernels."""
     parser.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: FP8 weights (quantized at load)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: an e4m3 KV cache")
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="batch-invariant kernels: a request's output never depends on its batch (cascade attention off)",
+    )
 
 
-def quantization_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+def numerics_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "batch_invariant": args.batch_invariant,
+    }
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +103,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-num-seqs", type=int, default=None, help="requests in one batch (default: 256)")
     add_parallel_args(parser)
-    add_quantization_args(parser)
+    add_numerics_args(parser)
     add_speculative_args(parser)
     parser.add_argument(
         "--peer",
@@ -114,7 +124,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
     add_parallel_args(parser)
-    add_quantization_args(parser)
+    add_numerics_args(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of each decode request")
     parser.add_argument("--output-len", type=int, default=128, help="N: decode time is taken over N - 1 tokens")

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.benchmarks.cli_args import add_latency_args, quantization_kwargs
+from pagoda.benchmarks.cli_args import add_latency_args, numerics_kwargs
 from pagoda.benchmarks.hf_peer import free_device_memory, load_hf_model
 from pagoda.benchmarks.roofline import (
     ByteWidths,
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> dict:
         enable_prefix_caching=False,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
-        **quantization_kwargs(args),
+        **numerics_kwargs(args),
     )
     config = create_engine_config(model=args.model, **engine_kwargs)
     model_config = config.model_config

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.benchmarks.cli_args import add_throughput_args, quantization_kwargs
+from pagoda.benchmarks.cli_args import add_throughput_args, numerics_kwargs
 from pagoda.benchmarks.hf_peer import free_device_memory, load_hf_model
 from pagoda.benchmarks.roofline import (
     ByteWidths,
@@ -368,7 +368,7 @@ def run(args: argparse.Namespace) -> list[Measurement]:
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             speculative_config=spec,
-            **quantization_kwargs(args),
+            **numerics_kwargs(args),
             **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
         )
         print(f"{engine} startup (load, profile, graphs): {time.perf_counter() - start:.1f} s", flush=True)
@@ -398,7 +398,8 @@ def run(args: argparse.Namespace) -> list[Measurement]:
     print(
         f"workload {args.workload}: {num_requests} prompts{shared}, {workload.num_prompt_tokens} prompt tokens, "
         f"{workload.num_output_tokens} output tokens; torch threads {torch.get_num_threads()}; "
-        f"cascade attention {'off' if args.disable_cascade_attn else 'on'}"
+        f"cascade attention {'off' if config.scheduler_config.disable_cascade_attn else 'on'}"
+        f"{'; batch-invariant kernels' if args.batch_invariant else ''}"
     )
     print(
         f"floor: bytes over the copy bandwidth ({rates.copy_bytes_per_s / 1e9:.1f} GB/s) or FLOPs over the "

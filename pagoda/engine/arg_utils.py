@@ -25,6 +25,7 @@ from pagoda.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from pagoda.engine.batch_invariance import check_batch_invariant
 from pagoda.lora.config import LORA_ARGUMENTS, resolve_lora_config
 from pagoda.model.layers.quantization.config import check_kv_cache_dtype, resolve_quantization
 from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
@@ -145,7 +146,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
             f"got {parallel_config.world_size}"
         )
     check_kv_cache_dtype(cache_config.kv_cache_dtype, torch.device(device_config.device))
-    return EngineConfig(
+    config = EngineConfig(
         model_config=model_config,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
@@ -155,6 +156,8 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         speculative_config=speculative_config,
         lora_config=lora_config,
     )
+    check_batch_invariant(config)
+    return config
 
 
 def _resolve_speculative(

@@ -83,6 +83,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--disable-cascade-attn", action="store_true", help="never split attention over shared prefixes (cascade)"
     )
     engine.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="batch-invariant kernels: a request's output never depends on the other requests of its steps, "
+        "how its prompt was chunked or cached (turns cascade attention off; refuses FP8, MoE and some models)",
+    )
+    engine.add_argument(
         "--kv-offload-gib",
         type=float,
         default=None,
@@ -131,6 +137,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "enable_prefix_caching": not args.no_prefix_caching,
         "disable_cascade_attn": args.disable_cascade_attn,
+        "batch_invariant": args.batch_invariant,
         "generation_config": args.generation_config,
         "task": args.task,
     }

@@ -123,13 +123,23 @@ def _sorted_cutoff(
     if top_k is not None:
         keep = torch.where((top_k > 0) & (top_k < vocab_size), top_k.to(torch.int64), keep)
     if top_p is not None:
-        cumulative = scaled.softmax(dim=-1).cumsum_(dim=-1)
+        cumulative = _row_cumsum(scaled.softmax(dim=-1))
         top_k_mass = cumulative.gather(1, keep[:, None] - 1)
         # The token whose cumulative probability first reaches p is kept: count those below p, plus one.
         reaching_p = (cumulative < top_p[:, None] * top_k_mass).sum(dim=-1) + 1
         # At most k already, unless a parallel cumsum wobbles by a rounding step past the top-k mass.
         keep = torch.where(top_p < 1.0, torch.minimum(keep, reaching_p), keep)
     return scaled.gather(1, keep[:, None] - 1).squeeze(1)
+
+
+def _row_cumsum(probs: torch.Tensor) -> torch.Tensor:
+    """Cumulative sums along each row of [B, V], each row summed in the same order at every B.
+
+    CUDA torch scans a lone row (numel == V) with a different kernel than a batch of rows, so a
+    single row is scanned beside a copy of itself."""
+    if probs.is_cuda and probs.shape[0] == 1:
+        return probs.expand(2, -1).cumsum(dim=-1)[:1]
+    return probs.cumsum_(dim=-1)
 
 
 def gumbel_max(

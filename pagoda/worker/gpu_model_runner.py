@@ -319,7 +319,13 @@ class GPUModelRunner:
         groups = kv_cache_config.kv_cache_groups
         self.layer_groups = {name: gid for gid, group in enumerate(groups) for name in group.layer_names}
         cascade = not self.scheduler_config.disable_cascade_attn
-        limits = AttentionLimits(self.num_heads, self.max_num_reqs, self.max_model_len, cascade=cascade)
+        limits = AttentionLimits(
+            self.num_heads,
+            self.max_num_reqs,
+            self.max_model_len,
+            cascade=cascade,
+            batch_invariant=self.model_config.batch_invariant,
+        )
         # Attention groups of one spec share their builder; a state group's builder gathers its
         # own block table's state blocks into its buffers, so each has one.
         builders: dict[object, AttentionMetadataBuilder] = {}

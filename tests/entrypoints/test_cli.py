@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pagoda import __version__
-from pagoda.entrypoints.cli import CLI_SAMPLING_DEFAULTS, build_parser, main, sampling_params
+from pagoda.entrypoints.cli import CLI_SAMPLING_DEFAULTS, build_parser, engine_kwargs, main, sampling_params
 
 
 def test_version(capsys) -> None:
@@ -32,6 +32,14 @@ def test_log_level_before_or_after_the_command() -> None:
     assert parser.parse_args(["generate", "hi"]).log_level == "INFO"
     assert parser.parse_args(["--log-level", "debug", "generate", "hi"]).log_level == "debug"
     assert parser.parse_args(["generate", "hi", "--log-level", "error"]).log_level == "error"
+
+
+def test_batch_invariant_flag_reaches_the_engine_and_the_benchmarks() -> None:
+    parser = build_parser()
+    assert engine_kwargs(parser.parse_args(["serve", "--batch-invariant"]))["batch_invariant"] is True
+    assert engine_kwargs(parser.parse_args(["generate", "hi"]))["batch_invariant"] is False
+    for kind in ("latency", "throughput"):
+        assert parser.parse_args(["bench", kind, "--batch-invariant"]).batch_invariant
 
 
 def test_sampling_flags_over_model_defaults_over_cli_defaults() -> None:

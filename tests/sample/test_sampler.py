@@ -337,3 +337,24 @@ def test_triton_kernel_matches_the_torch_path_on_the_gpu() -> None:
     for cutoff_used in (False, True):
         tokens = gumbel_max_triton(*inputs[:4], inputs[4] if cutoff_used else None)
         assert_same_draws_up_to_near_ties(inputs, tokens, cutoff_used)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_truncation_cutoff_of_a_row_does_not_depend_on_its_batch(device: str) -> None:
+    """Top-k + top-p cutoffs, bit for bit, for each row alone and in batches of 2 to 64 (a lone
+    CUDA row's cumulative sum is scanned as a batch's rows are)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    generator = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(64, 151_936, generator=generator)).to(device)
+    temperature = torch.full((64,), 0.9, device=device)
+    top_k = torch.full((64,), 5000, device=device)
+    top_p = torch.full((64,), 0.9, device=device)
+
+    def cutoffs(rows: slice) -> torch.Tensor:
+        return truncation_cutoff(logits[rows], temperature[rows], top_k[rows], top_p[rows], None)
+
+    alone = torch.cat([cutoffs(slice(i, i + 1)) for i in range(4)])
+    for size in (2, 8, 64):
+        batched = cutoffs(slice(0, size))
+        assert torch.equal(batched[: len(alone)], alone[:size]), size

@@ -42,6 +42,9 @@ class AttentionLimits:
     max_model_len: int
     # Steps may cascade (shared prefixes read once per group): builders size its workspace.
     cascade: bool = False
+    # Every row reduces over the same key tiles in the same order whatever its batch (no split
+    # chosen from the batch size, one tile shape for prefill chunks and decodes).
+    batch_invariant: bool = False
 
 
 class AttentionLayerImpl(abc.ABC):

@@ -9,6 +9,10 @@ a CUDA graph captured per batch size replays correctly at any sequence length.
 A cascade step (metadata.cascade set, see `pagoda.attention.cascade`) runs the prefix pass, the
 suffix pass and their merge (`cascade_attention`); its prefix split count is planned the same
 way, from the padded token count, into a second workspace allocated once.
+
+Batch-invariant builders (AttentionLimits.batch_invariant) never split and have every step
+launch with INVARIANT_TILES, so a row's keys are reduced in the same tiles and order in a decode,
+a prefill chunk or a verify step, whatever its companions.
 """
 
 from __future__ import annotations
@@ -22,7 +26,13 @@ from pagoda.attention.backends import AttentionBackend, AttentionLayerImpl, Atte
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.attention.ops.triton_cascade_attention import cascade_attention, choose_prefix_splits
 from pagoda.attention.ops.triton_reshape_and_cache import reshape_and_cache
-from pagoda.attention.ops.triton_unified_attention import SplitKWorkspace, choose_num_kv_splits, unified_attention
+from pagoda.attention.ops.triton_unified_attention import (
+    INVARIANT_TILES,
+    SplitKWorkspace,
+    TileConfig,
+    choose_num_kv_splits,
+    unified_attention,
+)
 from pagoda.kv_cache_interface import AttentionSpec, SlidingWindowSpec
 
 # Split planning on a device without SMs to count (the CPU interpreter): small, so tests split.
@@ -44,6 +54,8 @@ class TritonAttentionMetadata(AttentionMetadata):
     # A cascade step's prefix-pass splits and their workspace.
     num_prefix_splits: int = 1
     prefix_workspace: SplitKWorkspace | None = None
+    # The launch shape of every step (batch-invariant mode); None: chosen per step by its query length.
+    tiles: TileConfig | None = None
 
 
 class TritonMetadataBuilder:
@@ -58,6 +70,9 @@ class TritonMetadataBuilder:
         if isinstance(spec, SlidingWindowSpec):
             self.max_keys = min(self.max_keys, spec.sliding_window)
         self.num_sms = _num_sms(torch.device(device))
+        self.batch_invariant = limits.batch_invariant
+        if self.batch_invariant and limits.cascade:
+            raise ValueError("batch-invariant attention runs without cascade (its split depends on the batch)")
         max_rows_x_splits = max(rows * self.num_kv_splits(rows) for rows in range(1, limits.max_num_seqs + 1))
         self.workspace = SplitKWorkspace.allocate(max_rows_x_splits, limits.num_heads, spec.head_size, device)
         # Cascade steps take at most max_num_seqs tokens (the runner's rule): the suffix parts fit
@@ -72,8 +87,9 @@ class TritonMetadataBuilder:
             )
 
     def num_kv_splits(self, num_rows: int) -> int:
-        """Splits for a decode launch of `num_rows` (padded) rows; 1 beyond max_num_seqs."""
-        if num_rows > self.max_num_seqs:
+        """Splits for a decode launch of `num_rows` (padded) rows; 1 beyond max_num_seqs, or
+        batch-invariant."""
+        if num_rows > self.max_num_seqs or self.batch_invariant:
             return 1
         return choose_num_kv_splits(num_rows, self.num_kv_heads, self.max_keys, self.num_sms)
 
@@ -87,7 +103,10 @@ class TritonMetadataBuilder:
         fields = {name: getattr(common, name) for name in AttentionMetadata.__dataclass_fields__}
         if common.cascade is None:
             return TritonAttentionMetadata(
-                **fields, num_kv_splits=num_splits, workspace=self.workspace if num_splits > 1 else None
+                **fields,
+                num_kv_splits=num_splits,
+                workspace=self.workspace if num_splits > 1 else None,
+                tiles=INVARIANT_TILES if self.batch_invariant else None,
             )
         if self.prefix_workspace is None:
             raise ValueError("a cascade step needs a builder made with AttentionLimits(cascade=True)")
@@ -143,6 +162,7 @@ class TritonAttentionImpl(AttentionLayerImpl):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
             kv_scales=self.kv_scales,
+            tiles=metadata.tiles,
         )
         return out
 

@@ -61,6 +61,12 @@ LOG2_E = math.log2(math.e)
 # serves more queries.
 DECODE_TILES = TileConfig(min_rows=16, tile_n=64, num_warps=4, num_stages=2)
 PREFILL_TILES = TileConfig(min_rows=64, tile_n=64, num_warps=4, num_stages=2)
+# Batch-invariant mode: every step, whatever its query lengths, launches this one shape (the decode
+# tiles, since decode dominates), so a row's scores and its online softmax run through the same
+# dots over the same TILE_N-key tiles from position 0 whether it is decoded, prefilled in any
+# chunk, or verified. Key tiles past a row's own position, which a prefill tile's longer rows
+# read, add exact zeros to its sums (p = 0, alpha = 1).
+INVARIANT_TILES = TileConfig(min_rows=16, tile_n=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -332,6 +338,7 @@ def unified_attention(
     key_start: torch.Tensor | None = None,
     partials_only: bool = False,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    tiles: TileConfig | None = None,
 ) -> None:
     """out[t] = causal paged attention of query[t] [T, H, D] over kv_cache [2, blocks, block_size, Hkv, D].
 
@@ -345,6 +352,8 @@ def unified_attention(
     on. partials_only: leave every row's num_splits normalized parts and log-sum-exps (base 2)
     in the workspace, laid out [T, H, num_splits], for the caller to merge; out is untouched.
     A float8 kv_cache holds K / k_scale and V / v_scale, `kv_scales` = (k_scale, v_scale).
+    `tiles` fixes the launch shape (batch-invariant mode: INVARIANT_TILES); None picks
+    DECODE_TILES when max_query_len is 1, else PREFILL_TILES.
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[-2]
@@ -370,7 +379,8 @@ def unified_attention(
     if kv_fp8:
         qk_scale *= kv_scales[0]
     group = num_heads // num_kv_heads
-    tiles = DECODE_TILES if metadata.max_query_len <= 1 else PREFILL_TILES
+    if tiles is None:
+        tiles = DECODE_TILES if metadata.max_query_len <= 1 else PREFILL_TILES
     block_m = max(tiles.min_rows, triton.next_power_of_2(group))
     block_q = block_m // group
     # Four-byte inputs get half as many keys per tile, so a tile takes the same shared memory.

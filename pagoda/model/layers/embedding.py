@@ -18,6 +18,7 @@ from pagoda.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from pagoda.model import ops
+from pagoda.model.layers.batch_invariance import batch_invariant_now
 from pagoda.model.layers.weight_utils import CheckpointWeight, copy_weight, narrow_weight
 
 
@@ -55,6 +56,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden states [N, hidden] -> logits [N, vocab] over the full vocabulary on every rank."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.batch_invariant = batch_invariant_now()
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = tensor_model_parallel_all_gather(ops.linear(hidden_states, self.weight), dim=-1)
+        logits = tensor_model_parallel_all_gather(
+            ops.linear(hidden_states, self.weight, batch_invariant=self.batch_invariant), dim=-1
+        )
         return logits[..., : self.num_embeddings]

@@ -10,6 +10,7 @@ from torch import nn
 
 from pagoda.attention.backends import AttentionBackend
 from pagoda.config import ModelConfig
+from pagoda.model.layers.batch_invariance import building_batch_invariant
 from pagoda.model.layers.quantization.base import building_with, process_weights_after_loading
 from pagoda.model.layers.quantization.config import build_quantization_config
 from pagoda.model.loader.dummy import init_dummy_weights
@@ -72,7 +73,12 @@ def get_model(model_config: ModelConfig, attn_backend: type[AttentionBackend], d
     quantization = build_quantization_config(
         model_config.quantization, model_config.hf_config, model_config.load_format
     )
-    with _default_dtype(model_config.dtype), torch.device(device), building_with(quantization):
+    with (
+        _default_dtype(model_config.dtype),
+        torch.device(device),
+        building_with(quantization),
+        building_batch_invariant(model_config.batch_invariant),
+    ):
         model = model_class(model_config.hf_config, attn_backend)
     load_weights_from_source(model, model_config)
     process_weights_after_loading(model)

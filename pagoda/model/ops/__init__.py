@@ -1,6 +1,7 @@
 """Fused Triton kernels for the decoder's elementwise work: RMSNorm with the residual add,
 per-head q/k RMSNorm with rotary embedding, SiLU-and-mul; a GEMV for the linear layers of
-decode-sized batches (`linear`); and the experts of a mixture-of-experts layer (`triton_fused_moe`).
+decode-sized batches (`linear`), and the same kernel over any batch for batch-invariant
+inference; and the experts of a mixture-of-experts layer (`triton_fused_moe`).
 
 The layers run these kernels on CUDA tensors and their torch ops, the numerical reference,
 everywhere else. triton is optional off the GPU, so the layers import the kernel modules only
@@ -10,6 +11,7 @@ where it is installed.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -22,18 +24,30 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and TRITON_AVAILABLE
 
 
+def triton_runs(x: torch.Tensor) -> bool:
+    """Whether a Triton kernel can take `x`: on CUDA, or on the CPU under Triton's interpreter
+    (TRITON_INTERPRET=1, the tests' way to run the batch-invariant path without a GPU)."""
+    return TRITON_AVAILABLE and (x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"))
+
+
 # Most tokens `linear` sends to the Triton GEMV (its kernel takes up to triton_gemv.MAX_TOKENS).
 GEMV_MAX_TOKENS = 8
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 if TRITON_AVAILABLE:
-    from pagoda.model.ops.triton_gemv import gemv, tuned_config
+    from pagoda.model.ops.triton_gemv import batch_invariant_linear, gemv, tuned_config
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); for 1 to GEMV_MAX_TOKENS tokens [M, K] of bf16/fp16 on CUDA, on the
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_invariant: bool = False
+) -> torch.Tensor:
+    """F.linear(x, weight, bias). With `batch_invariant`, where Triton runs, every row through
+    `batch_invariant_linear` (one tiling of K for every batch size). Otherwise, for 1 to GEMV_MAX_TOKENS tokens [M, K] of bf16/fp16 on CUDA, on the
     weight shapes where it was measured faster than cuBLAS (triton_gemv.TUNED_CONFIGS), it runs
     the Triton GEMV, which reads the weight at closer to copy bandwidth."""
+    if batch_invariant and triton_runs(x):
+        rows = x.reshape(-1, x.shape[-1])
+        return batch_invariant_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     if (
         use_triton(x)
         and x.dim() == 2

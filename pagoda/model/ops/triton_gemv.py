@@ -15,6 +15,12 @@ splits in a fixed order, so results are bit-identical run to run (no atomics).
 Block sizes come from `gemv_config`: the TUNED_CONFIGS table (from `benchmarks/gemv.py --sweep`
 on the target GPU) and otherwise a heuristic. Both are plain functions of the shape, so nothing
 is tuned at run time and the kernel can be captured in a CUDA graph.
+
+`batch_invariant_linear` runs the same kernel over any number of tokens, in tiles of MAX_TOKENS
+rows (a third launch dimension, ordered so that the token tiles of a group of row blocks run
+together and share W in L2), with one config per weight shape whatever M is
+(`invariant_config`). Each output element is then the same instructions over the same K steps
+and splits, summed in the same order, at every batch size: the batch-invariant mode's GEMM.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ PROGRAMS_PER_SM = 2
 # SM count assumed off CUDA (the interpreter): an H100/H200's.
 DEFAULT_NUM_SMS = 132
 SUM_BLOCK_SIZE = 1024
+# Row blocks whose token tiles run one after another (programs in launch order), so a group's W
+# stays in L2 while every token tile reads it.
+ROW_BLOCKS_PER_GROUP = 8
 
 
 @dataclass(frozen=True)
@@ -206,11 +215,20 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROW_BLOCKS_PER_GROUP: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    # Program p of a group's ROW_BLOCKS_PER_GROUP * m_tiles programs: row block p % group_size,
+    # token tile p // group_size (with one token tile, pid_n is the program id itself).
+    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    programs_per_group = ROW_BLOCKS_PER_GROUP * m_tiles
+    first_n = (pid // programs_per_group) * ROW_BLOCKS_PER_GROUP
+    group_size = tl.minimum(tl.cdiv(N, BLOCK_N) - first_n, ROW_BLOCKS_PER_GROUP)
+    pid_n = first_n + (pid % programs_per_group) % group_size
+    pid_m = (pid % programs_per_group) // group_size
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
@@ -219,7 +237,7 @@ def _gemv_kernel(
     # W as the dot's left operand [BLOCK_N, BLOCK_K] (its natural K-contiguous layout), x^T as
     # the right one [BLOCK_K, BLOCK_M]: acc holds y^T for this block of rows.
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
-    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_start + offs_k)[:, None]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k_start + offs_k)[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         k_mask = k + offs_k < K
@@ -233,12 +251,12 @@ def _gemv_kernel(
         x_ptrs += BLOCK_K
     mask = n_mask[:, None] & m_mask[None, :]
     if WRITE_PARTIALS:
-        tl.store(out_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
+        tl.store(out_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         out = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], out, mask=mask)
+        tl.store(out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None], out, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -253,8 +271,8 @@ def _sum_splits_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    m = tl.program_id(1)
-    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < N
     acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
     for split in range(split_k):
@@ -303,25 +321,59 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def invariant_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemvConfig:
+    """The one config `batch_invariant_linear` uses for W [n, k] at every token count: the
+    single-token tuned entry where there is one (the batch-1 decode it was measured for), else the
+    heuristic, which has no M input either."""
+    tuned = tuned_config(n, k, 1, dtype)
+    if tuned is not None:
+        return tuned
+    return default_config(n, k, torch.finfo(dtype).bits // 8, _num_sms(device))
+
+
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M <= MAX_TOKENS, K] and a contiguous weight [N, K] in
     bf16, fp16 or fp32, accumulated in float32; `config` overrides `gemv_config`'s choice."""
+    _check_operands(x, weight, bias)
+    if x.shape[0] > MAX_TOKENS:
+        raise ValueError(f"x has {x.shape[0]} tokens, gemv takes at most MAX_TOKENS={MAX_TOKENS}")
+    if config is None:
+        config = gemv_config(weight.shape[0], weight.shape[1], x.shape[0], x.dtype, x.device)
+    return _launch(x, weight, bias, config)
+
+
+def batch_invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K] of any M, each row computed exactly as it would be
+    at any other M (`invariant_config`'s tiling, or `config`'s, for every M)."""
+    _check_operands(x, weight, bias)
+    if config is None:
+        config = invariant_config(weight.shape[0], weight.shape[1], x.dtype, x.device)
+    return _launch(x, weight, bias, config)
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [tokens, in_features], got shape {tuple(x.shape)}")
-    num_tokens, in_features = x.shape
+    in_features = x.shape[1]
     if weight.dim() != 2 or weight.shape[1] != in_features:
         raise ValueError(f"weight {tuple(weight.shape)} must be [out_features, in_features={in_features}]")
     out_features = weight.shape[0]
-    if num_tokens > MAX_TOKENS:
-        raise ValueError(f"x has {num_tokens} tokens, gemv takes at most MAX_TOKENS={MAX_TOKENS}")
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"x ({x.dtype}) and weight ({weight.dtype}) must share one dtype of {DTYPES}")
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous")
     if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
         raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} must be ({out_features},) in {x.dtype}")
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+    """The kernel over checked operands, token tiles of MAX_TOKENS rows side by side."""
+    num_tokens, in_features = x.shape
+    out_features = weight.shape[0]
     out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
     if num_tokens == 0 or out_features == 0:
         return out
@@ -329,8 +381,6 @@ def gemv(
         x = x.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    if config is None:
-        config = gemv_config(out_features, in_features, num_tokens, x.dtype, x.device)
     # Whole K steps per split, and no empty split.
     steps = max(1, triton.cdiv(in_features, config.block_k))
     steps_per_split = triton.cdiv(steps, min(config.split_k, steps))
@@ -342,7 +392,8 @@ def gemv(
     target = (
         torch.empty(split_k, num_tokens, out_features, dtype=torch.float32, device=x.device) if write_partials else out
     )
-    _gemv_kernel[(triton.cdiv(out_features, config.block_n), split_k)](
+    num_programs = triton.cdiv(out_features, config.block_n) * triton.cdiv(num_tokens, MAX_TOKENS)
+    _gemv_kernel[(num_programs, split_k)](
         x,
         weight,
         x if bias is None else bias,
@@ -361,11 +412,12 @@ def gemv(
         BLOCK_M=MAX_TOKENS,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        ROW_BLOCKS_PER_GROUP=ROW_BLOCKS_PER_GROUP,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if write_partials:
-        _sum_splits_kernel[(triton.cdiv(out_features, SUM_BLOCK_SIZE), num_tokens)](
+        _sum_splits_kernel[(num_tokens, triton.cdiv(out_features, SUM_BLOCK_SIZE))](
             target,
             x if bias is None else bias,
             out,

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pagoda.model import ops
+from pagoda.model.layers.batch_invariance import batch_invariant_now
 
 if TYPE_CHECKING:
     from pagoda.model.layers.fused_moe import FusedMoEMethod
@@ -79,13 +80,16 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """The weight [N, K] in the model dtype, multiplied by `ops.linear`."""
+    """The weight [N, K] in the model dtype, multiplied by `ops.linear` (batch-invariantly if built so)."""
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def create_weights(self, layer: nn.Module, shape: LinearShape) -> None:
         layer.register_parameter("weight", new_parameter((shape.output_size, shape.input_size), None))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return ops.linear(x, layer.weight, bias)
+        return ops.linear(x, layer.weight, bias, batch_invariant=self.batch_invariant)
 
 
 class QuantizationConfig(ABC):
@@ -118,7 +122,7 @@ def building_with(config: QuantizationConfig | None) -> Iterator[None]:
 def current_linear_method() -> LinearMethod:
     """The method for a linear layer being built now."""
     config = _building[-1]
-    return UnquantizedLinearMethod() if config is None else config.linear_method()
+    return UnquantizedLinearMethod(batch_invariant_now()) if config is None else config.linear_method()
 
 
 def current_moe_method() -> FusedMoEMethod | None:
