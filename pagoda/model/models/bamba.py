@@ -22,7 +22,7 @@ from pagoda.attention.layer import Attention
 from pagoda.config import ConfigError
 from pagoda.forward_context import ForwardContext
 from pagoda.model.layers.embedding import VocabParallelEmbedding
-from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.layernorm import RMSNorm, add_and_norm
 from pagoda.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagoda.model.layers.mamba.mixer import MambaMixer2, MambaMixerShape
 from pagoda.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
@@ -100,11 +100,7 @@ class BambaDecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         context: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = add_and_norm(self.input_layernorm, hidden_states, residual)
         if self.layer_type == "linear_attention":
             hidden_states = self.mamba(hidden_states, context)
         else:

@@ -27,7 +27,7 @@ from pagoda.distributed.parallel_state import get_parallel_state, get_pp_layer_r
 from pagoda.forward_context import ForwardContext
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.layernorm import RMSNorm, add_and_norm
 from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.model.layers.quantization.kv_cache import is_kv_scale, load_kv_scale
 from pagoda.model.layers.rotary import RotaryEmbedding, rope_settings, rotate_qkv
@@ -185,11 +185,7 @@ class DecoderLayer(nn.Module):
         context: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it); their sum is the stream after."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = add_and_norm(self.input_layernorm, hidden_states, residual)
         hidden_states = self.self_attn(hidden_states, cos_sin, context)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual

@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 from pagoda.attention.backends import AttentionBackend
 from pagoda.forward_context import ForwardContext
 from pagoda.model.layers.embedding import VocabParallelEmbedding
-from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.layernorm import RMSNorm, add_and_norm
 from pagoda.model.layers.mamba.mixer import MambaMixer2, MambaMixerShape
 from pagoda.model.models.state_space import StateSpaceLMBase
 
@@ -28,11 +28,7 @@ class Mamba2Block(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None, context: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.norm(hidden_states)
-        else:
-            hidden_states, residual = self.norm(hidden_states, residual)
+        hidden_states, residual = add_and_norm(self.norm, hidden_states, residual)
         return self.mixer(hidden_states, context), residual
 
 
