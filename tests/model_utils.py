@@ -210,6 +210,33 @@ def assert_greedy_match(ours: list[int], reference: list[int], margins: list[flo
     return compared
 
 
+@torch.inference_mode()
+def hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """HF's log-probability of each generated token, from one forward over prompt + tokens."""
+    ids = torch.tensor([prompt + tokens])
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+def check_sample_against_hf(
+    hf_model: torch.nn.Module,
+    prompt: list[int],
+    sample,
+    reference: tuple[list[int], list[float]],
+    min_margin: float,
+    logprob_atol: float,
+) -> int:
+    """A greedy `sample` (with `logprobs=0`) against HF: its tokens equal `reference` (HF's tokens
+    and top-2 margins) up to the first step of margin under `min_margin`, and its logprobs there
+    are HF's within `logprob_atol`; returns how many steps were compared."""
+    steps = assert_greedy_match(list(sample.token_ids), *reference, min_margin)
+    ours = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids, strict=True)]
+    expected = hf_logprobs(hf_model, prompt, list(sample.token_ids[:steps]))
+    torch.testing.assert_close(torch.tensor(ours[:steps]), torch.tensor(expected), atol=logprob_atol, rtol=0)
+    return steps
+
+
 def save_random_checkpoint(config: PretrainedConfig, path: str, seed: int = 1234) -> None:
     """Save a tiny HF model of `config`, its weights seeded and made as `randomize_` makes them,
     with `save_pretrained` (for configs built in a test rather than listed in TINY_CONFIGS)."""

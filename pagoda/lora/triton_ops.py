@@ -135,33 +135,61 @@ def _expand_kernel(
         tl.store(y_tile, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
 
 
+def _launch_over_tiles(
+    kernel: triton.JITFunction,
+    inputs: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+    sorted_tokens: torch.Tensor,
+    tiles: torch.Tensor,
+    scalars: tuple[int, int],
+    block_n: int,
+    splits: int = 1,
+    **constexprs: object,
+) -> None:
+    """Launch a shrink or expand kernel (they take their arguments in one order: inputs, weights
+    [slots, N, ...], out [T, N], the tile lists, N, two scalars of their own, the row strides)
+    over every token tile the step can have by (output tile x `splits`) programs."""
+    num_tokens, n = out.shape
+    grid = (max_tiles(num_tokens, weights.shape[0]), triton.cdiv(n, block_n) * splits)
+    kernel[grid](
+        inputs,
+        weights,
+        out,
+        sorted_tokens,
+        tiles,
+        n,
+        *scalars,
+        inputs.stride(0),
+        weights.stride(0),
+        weights.stride(1),
+        out.stride(0),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        **constexprs,
+    )
+
+
 def lora_shrink(
     x: torch.Tensor, lora_a: torch.Tensor, out: torch.Tensor, sorted_tokens: torch.Tensor, tiles: torch.Tensor
 ) -> None:
     """out [T, N] float32 (zeroed) = x [T, K] lora_a[slot]^T ([slots, N, K]) for each token with a slot."""
-    num_tokens, k = x.shape
-    num_slots, n, _ = lora_a.shape
+    k = x.shape[1]
     assert x.stride(1) == 1 and lora_a.stride(2) == 1 and out.stride(1) == 1
     split_k = max(1, min(MAX_SPLIT_K, k // SHRINK_K_PER_SPLIT))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
-    grid = (max_tiles(num_tokens, num_slots), triton.cdiv(n, SHRINK_BLOCK_N) * split_k)
-    _shrink_kernel[grid](
+    _launch_over_tiles(
+        _shrink_kernel,
         x,
         lora_a,
         out,
         sorted_tokens,
         tiles,
-        n,
-        k,
-        k_per_split,
-        x.stride(0),
-        lora_a.stride(0),
-        lora_a.stride(1),
-        out.stride(0),
+        (k, k_per_split),
+        SHRINK_BLOCK_N,
+        splits=split_k,
         SPLIT_K=split_k,
         IEEE=x.dtype == torch.float32,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=SHRINK_BLOCK_N,
         BLOCK_K=SHRINK_BLOCK_K,
     )
 
@@ -186,28 +214,20 @@ def lora_expand(
 ) -> None:
     """y [T, N] += h[:, i R:(i + 1) R] lora_b[slot, slice i]^T ([slots, N, R]); `slice_offsets`:
     where slices 1, 2 start (at most three slices)."""
-    num_tokens, n = y.shape
-    num_slots, _, rank = lora_b.shape
+    n = y.shape[1]
+    rank = lora_b.shape[2]
     assert len(slice_offsets) <= 2 and rank >= 16 and rank & (rank - 1) == 0
     assert y.stride(1) == 1 and lora_b.stride(2) == 1 and h.stride(1) == 1
     bounds = (*slice_offsets, n, n)[:2]
-    block_n = expand_block_n(slice_offsets)
-    grid = (max_tiles(num_tokens, num_slots), triton.cdiv(n, block_n))
-    _expand_kernel[grid](
+    _launch_over_tiles(
+        _expand_kernel,
         h,
         lora_b,
         y,
         sorted_tokens,
         tiles,
-        n,
-        bounds[0],
-        bounds[1],
-        h.stride(0),
-        lora_b.stride(0),
-        lora_b.stride(1),
-        y.stride(0),
+        bounds,
+        expand_block_n(slice_offsets),
         RANK=rank,
         IEEE=lora_b.dtype == torch.float32,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n,
     )

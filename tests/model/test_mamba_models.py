@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 from engine_utils import TARGETS, target_settings
-from model_utils import assert_greedy_match, randomize_
+from model_utils import check_sample_against_hf, randomize_
 from transformers import AutoModelForCausalLM, BambaConfig, Mamba2Config
 from transformers.models.mamba2 import modeling_mamba2
 
@@ -106,21 +106,9 @@ def hf_reference(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple
     return tokens, margins
 
 
-@torch.inference_mode()
-def hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
-    ids = torch.tensor([prompt + tokens])
-    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
-    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-
-
 def check_sample(hf_model: torch.nn.Module, prompt: list[int], sample) -> int:
-    reference, margins = _hf_reference(hf_model, tuple(prompt), len(sample.token_ids))
-    steps = assert_greedy_match(list(sample.token_ids), reference, margins, MIN_MARGIN)
-    ours = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids, strict=True)]
-    expected = hf_logprobs(hf_model, prompt, list(sample.token_ids[:steps]))
-    torch.testing.assert_close(torch.tensor(ours[:steps]), torch.tensor(expected), atol=LOGPROB_ATOL, rtol=0)
-    return steps
+    reference = _hf_reference(hf_model, tuple(prompt), len(sample.token_ids))
+    return check_sample_against_hf(hf_model, prompt, sample, reference, MIN_MARGIN, LOGPROB_ATOL)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)

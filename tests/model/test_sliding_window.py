@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from model_utils import SLIDING_WINDOW, assert_greedy_match, hf_greedy, save_tiny_checkpoint
+from model_utils import SLIDING_WINDOW, check_sample_against_hf, hf_greedy, save_tiny_checkpoint
 
 from pagoda import LLM, SamplingParams
 from pagoda.kv_cache_interface import SlidingWindowSpec
@@ -39,27 +39,13 @@ def make_prompts(seed: int, count: int = 6) -> list[list[int]]:
     return [[rng.randrange(1, 256) for _ in range(rng.randint(30, 40))] for _ in range(count)]
 
 
-@torch.inference_mode()
-def hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
-    """HF's log-probability of each generated token, from one forward over prompt + tokens."""
-    ids = torch.tensor([prompt + tokens])
-    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
-    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-
-
 def check_against_hf(llm: LLM, hf_model: torch.nn.Module, prompts: list[list[int]]) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     compared = 0
     for prompt, output in zip(prompts, outputs, strict=True):
-        sample = output.outputs[0]
-        reference, margins = hf_greedy(hf_model, prompt, NEW_TOKENS)
-        steps = assert_greedy_match(sample.token_ids, reference, margins, MIN_MARGIN)
-        compared += steps
-        ours = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids, strict=True)]
-        expected = hf_logprobs(hf_model, prompt, sample.token_ids[:steps])
-        torch.testing.assert_close(torch.tensor(ours[:steps]), torch.tensor(expected), atol=LOGPROB_ATOL, rtol=0)
+        reference = hf_greedy(hf_model, prompt, NEW_TOKENS)
+        compared += check_sample_against_hf(hf_model, prompt, output.outputs[0], reference, MIN_MARGIN, LOGPROB_ATOL)
     assert compared >= len(prompts) * NEW_TOKENS // 2, "too few confident steps: the test checks nothing"
     llm.llm_engine.check_idle()
 

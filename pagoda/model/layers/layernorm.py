@@ -78,3 +78,14 @@ class GemmaRMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def add_and_norm(
+    norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm block's entry: (norm(stream), stream), the residual stream being the previous
+    block's output plus its residual (the add fused into the norm), or, entering the first block
+    (`residual` None), the hidden states themselves."""
+    if residual is None:
+        return norm(hidden_states), hidden_states
+    return norm(hidden_states, residual)

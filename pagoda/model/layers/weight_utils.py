@@ -67,3 +67,15 @@ def default_weight_loader(param: torch.nn.Parameter, loaded_weight: CheckpointWe
     if shard_id is not None:
         raise ValueError(f"parameter is not sharded, got shard_id {shard_id!r}")
     copy_weight(param.data, loaded_weight)
+
+
+def load_checkpoint_weight(
+    param: torch.nn.Parameter, loaded_weight: CheckpointWeight, hf_name: str, shard_id: object = None
+) -> None:
+    """Fill `param` (or its `shard_id` part) through its own `weight_loader`, else
+    `default_weight_loader`; a mismatch's error names the checkpoint weight `hf_name`."""
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        loader(param, loaded_weight, shard_id)
+    except ValueError as e:
+        raise ValueError(f"checkpoint weight {hf_name!r}: {e}") from e

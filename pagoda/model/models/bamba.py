@@ -21,14 +21,13 @@ from pagoda.attention.backends import AttentionBackend
 from pagoda.attention.layer import Attention
 from pagoda.config import ConfigError
 from pagoda.forward_context import ForwardContext
-from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.embedding import VocabParallelEmbedding
+from pagoda.model.layers.layernorm import RMSNorm, add_and_norm
 from pagoda.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagoda.model.layers.mamba.mixer import MambaMixer2, MambaMixerShape
 from pagoda.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
 from pagoda.model.models.decoder import STACKED_PARAMS, DecoderMLP, DecoderOptions, head_size_of
-from pagoda.model.models.state_space import StateSpaceLMBase, check_single_rank
-from pagoda.outputs import IntermediateTensors
+from pagoda.model.models.state_space import StateSpaceLMBase
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -101,11 +100,7 @@ class BambaDecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         context: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = add_and_norm(self.input_layernorm, hidden_states, residual)
         if self.layer_type == "linear_attention":
             hidden_states = self.mamba(hidden_states, context)
         else:
@@ -132,6 +127,9 @@ class BambaModel(nn.Module):
         )
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def get_input_embeddings(self) -> VocabParallelEmbedding:
+        return self.embed_tokens
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary_emb(positions)
@@ -144,19 +142,6 @@ class BambaModel(nn.Module):
 class BambaForCausalLM(StateSpaceLMBase):
     stacked_params = STACKED_PARAMS
 
-    def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
-        check_single_rank("BambaForCausalLM")
-        super().__init__(config)
-        self.model = BambaModel(config, attn_backend)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        context: ForwardContext,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, context)
+    @classmethod
+    def build_body(cls, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> nn.Module:
+        return BambaModel(config, attn_backend)

@@ -27,21 +27,42 @@ from pagoda.distributed.parallel_state import get_parallel_state, get_pp_layer_r
 from pagoda.forward_context import ForwardContext
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.layernorm import RMSNorm, add_and_norm
 from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.model.layers.quantization.kv_cache import is_kv_scale, load_kv_scale
 from pagoda.model.layers.rotary import RotaryEmbedding, rope_settings, rotate_qkv
-from pagoda.model.layers.weight_utils import default_weight_loader
+from pagoda.model.layers.weight_utils import load_checkpoint_weight
 from pagoda.outputs import IntermediateTensors
 
 # (our merged parameter, the HF checkpoint name merged into it, its shard id)
-STACKED_PARAMS = (
+StackedParams = tuple[tuple[str, str, int | str], ...]
+STACKED_PARAMS: StackedParams = (
     ("qkv_proj", "q_proj", "q"),
     ("qkv_proj", "k_proj", "k"),
     ("qkv_proj", "v_proj", "v"),
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
+
+
+def stacked_param_name(hf_name: str, stacked_params: StackedParams = STACKED_PARAMS) -> tuple[str, int | str | None]:
+    """Our parameter for checkpoint tensor `hf_name`, and the shard of it the tensor fills (None: all)."""
+    for ours, hf, shard_id in stacked_params:
+        if f".{hf}." in hf_name:
+            return hf_name.replace(f".{hf}.", f".{ours}."), shard_id
+    return hf_name, None
+
+
+def checkpoint_names(name: str, stacked_params: StackedParams = STACKED_PARAMS) -> list[str]:
+    """The checkpoint tensors that fill our parameter `name` (one per shard of a merged one)."""
+    merged = [name.replace(f".{ours}.", f".{hf}.") for ours, hf, _ in stacked_params if f".{ours}." in name]
+    return merged or [name]
+
+
+def is_derived_weight(hf_name: str, tie_word_embeddings: bool) -> bool:
+    """A checkpoint tensor no parameter takes: RoPE's inverse frequencies (recomputed) or, with
+    tied embeddings, the LM head (the embedding's)."""
+    return hf_name.endswith("rotary_emb.inv_freq") or (tie_word_embeddings and hf_name == "lm_head.weight")
 
 
 # The checkpoint tensor that both embeds tokens and, with tied embeddings, computes logits.
@@ -164,11 +185,7 @@ class DecoderLayer(nn.Module):
         context: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it); their sum is the stream after."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = add_and_norm(self.input_layernorm, hidden_states, residual)
         hidden_states = self.self_attn(hidden_states, cos_sin, context)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
@@ -295,9 +312,9 @@ class DecoderForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            if hf_name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and hf_name == "lm_head.weight"):
+            if is_derived_weight(hf_name, self.tie_word_embeddings):
                 continue
-            name, shard_id = _param_name_and_shard(hf_name)
+            name, shard_id = stacked_param_name(hf_name)
             if name == TIED_EMBEDDING and name not in params and self.tie_word_embeddings:
                 name = "lm_head.weight"  # a last stage without the embedding still needs its rows
             if name.startswith(self._other_stage_prefixes):
@@ -308,12 +325,7 @@ class DecoderForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint weight {hf_name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            weight_loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                weight_loader(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"checkpoint weight {hf_name!r}: {e}") from e
+            load_checkpoint_weight(params[name], tensor, hf_name, shard_id)
             loaded.add(hf_name)
         return loaded
 
@@ -323,13 +335,5 @@ class DecoderForCausalLM(nn.Module):
         for name, _ in self.named_parameters():
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 name = TIED_EMBEDDING
-            merged = [name.replace(f".{ours}.", f".{hf}.") for ours, hf, _ in STACKED_PARAMS if f".{ours}." in name]
-            names.update(merged or [name])
+            names.update(checkpoint_names(name))
         return names
-
-
-def _param_name_and_shard(hf_name: str) -> tuple[str, int | str | None]:
-    for ours, hf, shard_id in STACKED_PARAMS:
-        if f".{hf}." in hf_name:
-            return hf_name.replace(f".{hf}.", f".{ours}."), shard_id
-    return hf_name, None

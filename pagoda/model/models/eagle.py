@@ -32,14 +32,15 @@ from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import QKVParallelLinear
 from pagoda.model.layers.rotary import RotaryEmbedding, rope_settings
-from pagoda.model.layers.weight_utils import copy_weight, default_weight_loader
+from pagoda.model.layers.weight_utils import copy_weight, load_checkpoint_weight
 from pagoda.model.models.decoder import (
-    STACKED_PARAMS,
     DecoderAttention,
     DecoderLayer,
     DecoderMLP,
     DecoderOptions,
+    checkpoint_names,
     head_size_of,
+    stacked_param_name,
 )
 
 
@@ -73,11 +74,7 @@ class _EagleHead(nn.Module):
         buffers = dict(self.named_buffers())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            name, shard_id = hf_name, None
-            for ours, hf, shard in STACKED_PARAMS:
-                if f".{hf}." in hf_name:
-                    name, shard_id = hf_name.replace(f".{hf}.", f".{ours}."), shard
-                    break
+            name, shard_id = stacked_param_name(hf_name)
             if name in buffers:
                 copy_weight(buffers[name], tensor)
                 loaded.add(hf_name)
@@ -86,12 +83,7 @@ class _EagleHead(nn.Module):
                 if name in self.skipped_weights:
                     continue
                 raise ValueError(f"checkpoint weight {hf_name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor, shard_id)
-            except ValueError as error:
-                raise ValueError(f"checkpoint weight {hf_name!r}: {error}") from error
+            load_checkpoint_weight(params[name], tensor, hf_name, shard_id)
             loaded.add(hf_name)
         return loaded
 
@@ -103,8 +95,7 @@ class _EagleHead(nn.Module):
         for name in [*(n for n, _ in self.named_parameters()), *(n for n, _ in self.named_buffers())]:
             if name.startswith("rotary_emb."):
                 continue
-            merged = [name.replace(f".{ours}.", f".{hf}.") for ours, hf, _ in STACKED_PARAMS if f".{ours}." in name]
-            names.update(merged or [name])
+            names.update(checkpoint_names(name))
         return names
 
 

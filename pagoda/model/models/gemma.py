@@ -29,7 +29,7 @@ from pagoda.distributed.parallel_state import get_parallel_state, get_pp_layer_r
 from pagoda.forward_context import ForwardContext
 from pagoda.model.layers.activation import GeluAndMul
 from pagoda.model.layers.embedding import VocabParallelEmbedding
-from pagoda.model.layers.layernorm import GemmaRMSNorm
+from pagoda.model.layers.layernorm import GemmaRMSNorm, add_and_norm
 from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings, rotate_qkv
 from pagoda.model.models.decoder import DecoderForCausalLM, PPMissingLayer, head_size_of, layer_sliding_window
@@ -165,11 +165,7 @@ class GemmaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it); their sum is the stream
         after. HF's `residual + post_norm(block(pre_norm(x)))`, with each add fused into the next norm."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = add_and_norm(self.input_layernorm, hidden_states, residual)
         hidden_states = self.post_attention_layernorm(self.self_attn(hidden_states, cos_sin, context))
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual

@@ -13,11 +13,10 @@ from transformers import PretrainedConfig
 
 from pagoda.attention.backends import AttentionBackend
 from pagoda.forward_context import ForwardContext
-from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.embedding import VocabParallelEmbedding
+from pagoda.model.layers.layernorm import RMSNorm, add_and_norm
 from pagoda.model.layers.mamba.mixer import MambaMixer2, MambaMixerShape
-from pagoda.model.models.state_space import StateSpaceLMBase, check_single_rank
-from pagoda.outputs import IntermediateTensors
+from pagoda.model.models.state_space import StateSpaceLMBase
 
 
 class Mamba2Block(nn.Module):
@@ -29,11 +28,7 @@ class Mamba2Block(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None, context: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.norm(hidden_states)
-        else:
-            hidden_states, residual = self.norm(hidden_states, residual)
+        hidden_states, residual = add_and_norm(self.norm, hidden_states, residual)
         return self.mixer(hidden_states, context), residual
 
 
@@ -50,7 +45,11 @@ class Mamba2Backbone(nn.Module):
         )
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
-    def forward(self, input_ids: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+    def get_input_embeddings(self) -> VocabParallelEmbedding:
+        return self.embeddings
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """`positions` are unused: the state carries the order."""
         hidden_states, residual = self.embeddings(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(hidden_states, residual, context)
@@ -59,21 +58,9 @@ class Mamba2Backbone(nn.Module):
 
 
 class Mamba2ForCausalLM(StateSpaceLMBase):
+    body_name = "backbone"
     renamed = (("backbone.embedding.", "backbone.embeddings."),)
 
-    def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
-        check_single_rank("Mamba2ForCausalLM")
-        super().__init__(config)
-        self.backbone = Mamba2Backbone(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        context: ForwardContext,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor:
-        return self.backbone(input_ids, context)
+    @classmethod
+    def build_body(cls, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> nn.Module:
+        return Mamba2Backbone(config)

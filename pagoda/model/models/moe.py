@@ -27,6 +27,7 @@ from pagoda.model.layers.fused_moe import (
     Routing,
     SparseMoeBlock,
 )
+from pagoda.model.layers.weight_utils import load_checkpoint_weight
 from pagoda.model.models.decoder import DecoderForCausalLM, DecoderModel
 
 _PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<leaf>[^.]+)\.weight$")
@@ -103,10 +104,7 @@ class MoeForCausalLM(DecoderForCausalLM):
                 module_name, shard_id = target
                 experts = self._experts[module_name]
                 param = getattr(experts, PARAM_OF_PROJECTION[shard_id[1]])
-                try:
-                    param.weight_loader(param, tensor, shard_id)
-                except ValueError as e:
-                    raise ValueError(f"checkpoint weight {hf_name!r}: {e}") from e
+                load_checkpoint_weight(param, tensor, hf_name, shard_id)
                 experts_loaded.update(experts.checkpoint_names_filled(module_name, shard_id))
 
         return super().load_weights(others()) | experts_loaded

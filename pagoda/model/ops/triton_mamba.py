@@ -190,7 +190,7 @@ def causal_conv1d(
 
 
 @triton.jit
-def _ssm_decode_kernel(
+def _ssm_scan_kernel(
     x_ptr,
     dt_ptr,
     dt_bias_ptr,
@@ -224,80 +224,14 @@ def _ssm_decode_kernel(
     dt_max,
     HEADS_PER_GROUP: tl.constexpr,
     CLAMP_DT: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    t = tl.load(qsl_ptr + row)
-    if tl.load(qsl_ptr + row + 1) == t:
-        return
-    t = t.to(tl.int64)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    p_mask = p < head_dim
-    n_mask = n < state_size
-    read = tl.load(read_idx_ptr + row * stride_read_idx).to(tl.int64)
-    index = tl.load(idx_ptr + row * stride_idx).to(tl.int64)
-    live = tl.load(live_ptr + row) != 0
-    tile = head * stride_s_h + p[:, None] * stride_s_p + n[None, :]
-    tile_mask = p_mask[:, None] & n_mask[None, :]
-    state = tl.load(state_ptr + read * stride_s_block + tile, mask=tile_mask, other=0.0).to(tl.float32)
-    state = tl.where(live, state, 0.0)
-    dt = _softplus(tl.load(dt_ptr + t * stride_dt + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32))
-    if CLAMP_DT:
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    A = -tl.exp(tl.load(A_log_ptr + head).to(tl.float32))
-    group = head // HEADS_PER_GROUP
-    B = tl.load(B_ptr + t * stride_b_t + group * stride_b_g + n, mask=n_mask, other=0.0).to(tl.float32)
-    C = tl.load(C_ptr + t * stride_c_t + group * stride_c_g + n, mask=n_mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + t * stride_x_t + head * stride_x_h + p, mask=p_mask, other=0.0).to(tl.float32)
-    state = state * tl.exp(dt * A) + (dt * x)[:, None] * B[None, :]
-    y = tl.sum(state * C[None, :], axis=1) + tl.load(D_ptr + head).to(tl.float32) * x
-    tl.store(y_ptr + t * stride_y_t + head * stride_y_h + p, y.to(y_ptr.dtype.element_ty), mask=p_mask)
-    tl.store(state_ptr + index * stride_s_block + tile, state.to(state_ptr.dtype.element_ty), mask=tile_mask)
-
-
-@triton.jit
-def _ssm_chunked_kernel(
-    x_ptr,
-    dt_ptr,
-    dt_bias_ptr,
-    A_log_ptr,
-    B_ptr,
-    C_ptr,
-    D_ptr,
-    state_ptr,
-    y_ptr,
-    qsl_ptr,
-    read_idx_ptr,
-    idx_ptr,
-    live_ptr,
-    stride_x_t,
-    stride_x_h,
-    stride_dt,
-    stride_b_t,
-    stride_b_g,
-    stride_c_t,
-    stride_c_g,
-    stride_s_block,
-    stride_s_h,
-    stride_s_p,
-    stride_y_t,
-    stride_y_h,
-    stride_read_idx,
-    stride_idx,
-    head_dim,
-    state_size,
-    dt_min,
-    dt_max,
-    HEADS_PER_GROUP: tl.constexpr,
-    CLAMP_DT: tl.constexpr,
+    DECODE: tl.constexpr,
     PRECISION: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """One (row, head, head_dim block) tile of the state: read, advanced past the row's tokens
+    (`DECODE`: its one token, in one step; else chunk by chunk), written."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     start = tl.load(qsl_ptr + row)
@@ -319,43 +253,55 @@ def _ssm_chunked_kernel(
     D = tl.load(D_ptr + head).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     group = head // HEADS_PER_GROUP
-    offsets = tl.arange(0, CHUNK_SIZE)
-    causal = offsets[:, None] >= offsets[None, :]
-    for chunk_start in range(start, end, CHUNK_SIZE):
-        tokens = chunk_start + offsets
-        t_mask = tokens < end
-        tokens = tokens.to(tl.int64)
-        dt = _softplus(tl.load(dt_ptr + tokens * stride_dt + head, mask=t_mask, other=0.0).to(tl.float32) + dt_bias)
+    if DECODE:
+        t = start.to(tl.int64)
+        dt = _softplus(tl.load(dt_ptr + t * stride_dt + head).to(tl.float32) + dt_bias)
         if CLAMP_DT:
             dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        dt = tl.where(t_mask, dt, 0.0)
-        dA = dt * A
-        cum = tl.cumsum(dA, axis=0)
-        total = tl.sum(dA, axis=0)
-        x = tl.load(
-            x_ptr + tokens[:, None] * stride_x_t + head * stride_x_h + p[None, :],
-            mask=t_mask[:, None] & p_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        nm = t_mask[:, None] & n_mask[None, :]
-        B = tl.load(B_ptr + tokens[:, None] * stride_b_t + group * stride_b_g + n[None, :], mask=nm, other=0.0)
-        C = tl.load(C_ptr + tokens[:, None] * stride_c_t + group * stride_c_g + n[None, :], mask=nm, other=0.0)
-        B = B.to(tl.float32)
-        C = C.to(tl.float32)
-        # Intra-chunk: token i reads token j <= i through exp(cum_i - cum_j) dt_j (C_i . B_j).
-        scores = tl.dot(C, tl.trans(B), input_precision=PRECISION)
-        decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
-        y = tl.dot(scores * decay * dt[None, :], x, input_precision=PRECISION)
-        # The state carried in, decayed to each token.
-        y += tl.exp(cum)[:, None] * tl.dot(C, tl.trans(state), input_precision=PRECISION)
-        y += D * x
-        tl.store(
-            y_ptr + tokens[:, None] * stride_y_t + head * stride_y_h + p[None, :],
-            y.to(y_ptr.dtype.element_ty),
-            mask=t_mask[:, None] & p_mask[None, :],
-        )
-        weights = tl.exp(total - cum) * dt
-        state = state * tl.exp(total) + tl.dot(tl.trans(x * weights[:, None]), B, input_precision=PRECISION)
+        B = tl.load(B_ptr + t * stride_b_t + group * stride_b_g + n, mask=n_mask, other=0.0).to(tl.float32)
+        C = tl.load(C_ptr + t * stride_c_t + group * stride_c_g + n, mask=n_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + t * stride_x_t + head * stride_x_h + p, mask=p_mask, other=0.0).to(tl.float32)
+        state = state * tl.exp(dt * A) + (dt * x)[:, None] * B[None, :]
+        y = tl.sum(state * C[None, :], axis=1) + D * x
+        tl.store(y_ptr + t * stride_y_t + head * stride_y_h + p, y.to(y_ptr.dtype.element_ty), mask=p_mask)
+    else:
+        offsets = tl.arange(0, CHUNK_SIZE)
+        causal = offsets[:, None] >= offsets[None, :]
+        for chunk_start in range(start, end, CHUNK_SIZE):
+            tokens = chunk_start + offsets
+            t_mask = tokens < end
+            tokens = tokens.to(tl.int64)
+            dt = _softplus(tl.load(dt_ptr + tokens * stride_dt + head, mask=t_mask, other=0.0).to(tl.float32) + dt_bias)
+            if CLAMP_DT:
+                dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+            dt = tl.where(t_mask, dt, 0.0)
+            dA = dt * A
+            cum = tl.cumsum(dA, axis=0)
+            total = tl.sum(dA, axis=0)
+            x = tl.load(
+                x_ptr + tokens[:, None] * stride_x_t + head * stride_x_h + p[None, :],
+                mask=t_mask[:, None] & p_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            nm = t_mask[:, None] & n_mask[None, :]
+            B = tl.load(B_ptr + tokens[:, None] * stride_b_t + group * stride_b_g + n[None, :], mask=nm, other=0.0)
+            C = tl.load(C_ptr + tokens[:, None] * stride_c_t + group * stride_c_g + n[None, :], mask=nm, other=0.0)
+            B = B.to(tl.float32)
+            C = C.to(tl.float32)
+            # Intra-chunk: token i reads token j <= i through exp(cum_i - cum_j) dt_j (C_i . B_j).
+            scores = tl.dot(C, tl.trans(B), input_precision=PRECISION)
+            decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
+            y = tl.dot(scores * decay * dt[None, :], x, input_precision=PRECISION)
+            # The state carried in, decayed to each token.
+            y += tl.exp(cum)[:, None] * tl.dot(C, tl.trans(state), input_precision=PRECISION)
+            y += D * x
+            tl.store(
+                y_ptr + tokens[:, None] * stride_y_t + head * stride_y_h + p[None, :],
+                y.to(y_ptr.dtype.element_ty),
+                mask=t_mask[:, None] & p_mask[None, :],
+            )
+            weights = tl.exp(total - cum) * dt
+            state = state * tl.exp(total) + tl.dot(tl.trans(x * weights[:, None]), B, input_precision=PRECISION)
     tl.store(state_ptr + index * stride_s_block + tile, state.to(state_ptr.dtype.element_ty), mask=tile_mask)
 
 
@@ -390,7 +336,12 @@ def ssm_scan(
     rows = state_indices.shape[0]
     block_n = max(16, triton.next_power_of_2(state_size))
     low, high = dt_limit if dt_limit is not None else (0.0, float("inf"))
-    args = (
+    # Decode tiles are a plain product, so narrow ones spread the row over more programs; the
+    # chunked form's tl.dot needs tiles of at least 16.
+    block_p = (
+        min(16, triton.next_power_of_2(head_dim)) if decode else max(16, min(32, triton.next_power_of_2(head_dim)))
+    )
+    _ssm_scan_kernel[(rows, num_heads, triton.cdiv(head_dim, block_p))](
         x,
         dt,
         dt_bias,
@@ -422,24 +373,9 @@ def ssm_scan(
         state_size,
         low,
         high,
-    )
-    if decode:
-        block_p = min(16, triton.next_power_of_2(head_dim))
-        grid = (rows, num_heads, triton.cdiv(head_dim, block_p))
-        _ssm_decode_kernel[grid](
-            *args,
-            HEADS_PER_GROUP=num_heads // num_groups,
-            CLAMP_DT=dt_limit is not None,
-            BLOCK_P=block_p,
-            BLOCK_N=block_n,
-        )
-        return y
-    block_p = max(16, min(32, triton.next_power_of_2(head_dim)))
-    grid = (rows, num_heads, triton.cdiv(head_dim, block_p))
-    _ssm_chunked_kernel[grid](
-        *args,
         HEADS_PER_GROUP=num_heads // num_groups,
         CLAMP_DT=dt_limit is not None,
+        DECODE=decode,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         CHUNK_SIZE=CHUNK,
         BLOCK_P=block_p,

@@ -30,6 +30,20 @@ from pagoda.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagoda.model.layers.mamba.metadata import MambaMetadata
 from pagoda.model.layers.mamba.ops_ref import causal_conv1d_ref, ssm_scan_ref
 
+# The HF config attribute of each mixer size: (Mamba2Config's, the hybrids' such as BambaConfig's).
+_MAMBA2, _HYBRID = 0, 1
+_HF_NAMES = {
+    "num_heads": ("num_heads", "mamba_n_heads"),
+    "head_dim": ("head_dim", "mamba_d_head"),
+    "num_groups": ("n_groups", "mamba_n_groups"),
+    "state_size": ("state_size", "mamba_d_state"),
+    "conv_kernel": ("conv_kernel", "mamba_d_conv"),
+    "expand": ("expand", "mamba_expand"),
+    "use_bias": ("use_bias", "mamba_proj_bias"),
+    "use_conv_bias": ("use_conv_bias", "mamba_conv_bias"),
+    "eps": ("layer_norm_epsilon", "rms_norm_eps"),
+}
+
 
 @dataclass(frozen=True)
 class MambaMixerShape:
@@ -53,35 +67,28 @@ class MambaMixerShape:
 
     @classmethod
     def of_mamba2(cls, config: PretrainedConfig) -> MambaMixerShape:
-        return cls._checked(
-            hidden_size=config.hidden_size,
-            num_heads=config.num_heads,
-            head_dim=config.head_dim,
-            num_groups=config.n_groups,
-            state_size=config.state_size,
-            conv_kernel=config.conv_kernel,
-            intermediate_size=int(config.expand * config.hidden_size),
-            use_bias=bool(config.use_bias),
-            use_conv_bias=bool(config.use_conv_bias),
-            eps=config.layer_norm_epsilon,
-            time_step_limit=tuple(config.time_step_limit),
-            activation=config.hidden_act,
-        )
+        return cls._read(config, _MAMBA2)
 
     @classmethod
     def of_hybrid(cls, config: PretrainedConfig) -> MambaMixerShape:
         """Bamba's (and GraniteMoeHybrid's) `mamba_*` fields."""
+        return cls._read(config, _HYBRID)
+
+    @classmethod
+    def _read(cls, config: PretrainedConfig, column: int) -> MambaMixerShape:
+        """The shape from the config attributes named in `column` of `_HF_NAMES`, checked."""
+        hf = {field: getattr(config, names[column]) for field, names in _HF_NAMES.items()}
         return cls._checked(
             hidden_size=config.hidden_size,
-            num_heads=config.mamba_n_heads,
-            head_dim=config.mamba_d_head,
-            num_groups=config.mamba_n_groups,
-            state_size=config.mamba_d_state,
-            conv_kernel=config.mamba_d_conv,
-            intermediate_size=int(config.mamba_expand * config.hidden_size),
-            use_bias=bool(config.mamba_proj_bias),
-            use_conv_bias=bool(config.mamba_conv_bias),
-            eps=config.rms_norm_eps,
+            num_heads=hf["num_heads"],
+            head_dim=hf["head_dim"],
+            num_groups=hf["num_groups"],
+            state_size=hf["state_size"],
+            conv_kernel=hf["conv_kernel"],
+            intermediate_size=int(hf["expand"] * config.hidden_size),
+            use_bias=bool(hf["use_bias"]),
+            use_conv_bias=bool(hf["use_conv_bias"]),
+            eps=hf["eps"],
             time_step_limit=tuple(config.time_step_limit),
             activation=config.hidden_act,
         )
