@@ -81,9 +81,9 @@ class ProducerScheduler(KVConnectorScheduler):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         wanted = parse_kv_transfer_params(request.sampling_params.kv_transfer_params)
-        if not isinstance(wanted, RemoteDecode) or request.status not in _HOLDING_STATUSES:
-            return False
         num_blocks = min(len(block_ids), len(request.block_hashes))
+        if not isinstance(wanted, RemoteDecode) or request.status not in _HOLDING_STATUSES or not num_blocks:
+            return False
         export = BlockExport(request.request_id, secrets.token_hex(16), tuple(block_ids[:num_blocks]))
         self._new.append(export)
         self._held.add(export.request_id)
