@@ -74,6 +74,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=None, help="requests in one batch (default: 256)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step (default: 8192)")
     engine.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: 16)")
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of the GPU's memory this engine may use, KV cache included (e.g. 0.4 for each of two "
+        "servers sharing one GPU) (default: 0.9)",
+    )
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     engine.add_argument(
         "--kv-cache-dtype",
@@ -184,6 +191,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_lora_rank",
         "max_cpu_loras",
         "kv_offload_gib",
+        "gpu_memory_utilization",
         "kv_role",
         "kv_hold_timeout_s",
         "kv_load_timeout_s",
