@@ -146,6 +146,12 @@ def test_bad_kv_transfer_params_are_a_400_naming_the_field(servers, params, fiel
     assert_error(consumer.post("/v1/completions", json=body), 400, field, *words)
 
 
+def test_a_servers_refusal_comes_back_through_the_router(servers) -> None:
+    _, _, router = servers
+    answer = router.post("/v1/completions", {"prompt": PROMPT, "temperature": -1})
+    assert_error(answer, 400, "temperature", "temperature")
+
+
 _DYING_CONSUMER = """
 import json, sys, zmq
 params = json.loads(sys.argv[1])
