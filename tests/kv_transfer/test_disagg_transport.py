@@ -60,10 +60,11 @@ def test_segments_unlink_and_stale_ones_are_removed() -> None:
         shm.open_segment("../etc/passwd", 1)
 
 
-def caches(seed: int) -> list[torch.Tensor]:
+def caches(seed: int, device: torch.device = CPU) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     shape = (2, NUM_BLOCKS, PAGE_BYTES // 2)
-    return [torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator) for _ in range(NUM_TENSORS)]
+    made = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator) for _ in range(NUM_TENSORS)]
+    return [cache.to(device) for cache in made]
 
 
 def own_segments() -> list[str]:
@@ -79,12 +80,14 @@ def wait_report(worker, timeout_s: float = 10.0):
     raise AssertionError("no transfer report")
 
 
-@pytest.fixture
-def pair():
-    producer = ProducerWorker(private_ipc_address(), 0.5, NUM_TENSORS, PAGE_BYTES, CPU)
-    consumer = ConsumerWorker(NUM_TENSORS, PAGE_BYTES, CPU, timeout_s=2.0)
-    producer.copier.bind(caches(0))
-    consumer.copier.bind(caches(1))
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def pair(request):
+    """A producer and a consumer on the CPU, or on CUDA (staged through device memory and streams)."""
+    device = torch.device(request.param)
+    producer = ProducerWorker(private_ipc_address(), 0.5, NUM_TENSORS, PAGE_BYTES, device)
+    consumer = ConsumerWorker(NUM_TENSORS, PAGE_BYTES, device, timeout_s=2.0)
+    producer.copier.bind(caches(0, device))
+    consumer.copier.bind(caches(1, device))
     try:
         yield producer, consumer
     finally:
