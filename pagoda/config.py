@@ -30,6 +30,8 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # caching; "align", a state checkpoint at every block boundary (steps end on boundaries they
 # reach), so a cached prefix resumes from the checkpoint at its end.
 MAMBA_CACHE_MODES = ("none", "align")
+# Values of CacheConfig.kv_role (disaggregated prefill, pagoda/kv_transfer/disagg; None: neither).
+KV_ROLES = ("producer", "consumer")
 
 # What the engine serves: "generate" samples tokens; "embed" pools hidden states (no sampler);
 # "auto" picks from the architecture (encoders such as BertModel embed, decoders generate).
@@ -215,6 +217,13 @@ class CacheConfig:
     kv_offload_save_on_finish: bool = False
     # Seconds a request may wait for its KV to load before it recomputes instead.
     kv_load_timeout_s: float = 30.0
+    # Disaggregated prefill (pagoda/kv_transfer/disagg): a producer holds a prefilled request's
+    # blocks for a consumer to pull; a consumer pulls them instead of recomputing the prompt.
+    kv_role: str | None = None
+    # Seconds a producer holds a finished request's blocks for a pull before it frees them.
+    kv_hold_timeout_s: float = 60.0
+    # The producer's control socket (ZMQ address); None: a private ipc path chosen at startup.
+    kv_transfer_address: str | None = None
     mamba_cache_mode: str = "none"
 
     def __post_init__(self) -> None:
@@ -234,6 +243,14 @@ class CacheConfig:
             raise ConfigError(f"kv_offload_gib must be >= 0 (0: no CPU offload), got {self.kv_offload_gib}")
         if not self.kv_load_timeout_s > 0:
             raise ConfigError(f"kv_load_timeout_s must be > 0, got {self.kv_load_timeout_s}")
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ConfigError(f"kv_role must be one of {', '.join(KV_ROLES)} (or None), got {self.kv_role!r}")
+        if not self.kv_hold_timeout_s > 0:
+            raise ConfigError(f"kv_hold_timeout_s must be > 0, got {self.kv_hold_timeout_s}")
+        if self.kv_role is not None and self.kv_offload_gib:
+            raise ConfigError("kv_role and kv_offload_gib are two KV connectors; an engine runs one")
+        if self.kv_role is not None and not self.enable_prefix_caching:
+            raise ConfigError(f"kv_role {self.kv_role!r} needs prefix caching (transfers are checked by block hashes)")
         if self.kv_offload_gib and not self.enable_prefix_caching:
             raise ConfigError("kv_offload_gib needs prefix caching (the host pool is keyed by its block hashes)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -190,6 +191,9 @@ class EngineCoreOutput:
     new_prompt_logprobs: LogprobsArrays | None = None
     # A pooling request's vector (float32), in its one and final output.
     pooling_output: np.ndarray | None = None
+    # In the final output: what a peer needs of the KV the connector holds for it (a
+    # disaggregated-prefill producer's pull handle); None otherwise.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -226,6 +230,9 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # A pooling request's vector (its `outputs` then hold no tokens); see EmbeddingRequestOutput.
     pooling_output: np.ndarray | None = None
+    # Set in the final output of a request a disaggregated-prefill producer holds KV for: pass
+    # it as a consumer request's SamplingParams.kv_transfer_params (see pagoda/kv_transfer/disagg).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

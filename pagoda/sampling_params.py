@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pagoda.errors import InvalidRequestError
 
@@ -183,6 +184,9 @@ class SamplingParams:
     # Keep only the prompt's last N tokens (None: a prompt too long for the context is an error).
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Disaggregated prefill (pagoda/kv_transfer/disagg/params.py): {"do_remote_decode": true} asks a
+    # producer to hold the prompt's KV for a consumer; a producer's answer's params make a consumer pull it.
+    kv_transfer_params: dict[str, Any] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the model (generation_config eos ids); not a user setting.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -247,6 +251,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]", value)
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise bad("kv_transfer_params", "None or a dict (JSON object)", self.kv_transfer_params)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs)
 

@@ -26,6 +26,7 @@ from pagoda.config import (
     SpeculativeConfig,
 )
 from pagoda.engine.batch_invariance import check_batch_invariant
+from pagoda.kv_transfer.disagg.params import private_ipc_address
 from pagoda.lora.config import LORA_ARGUMENTS, resolve_lora_config
 from pagoda.model.layers.quantization.config import check_kv_cache_dtype, resolve_quantization
 from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
@@ -140,11 +141,14 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         )
     lora_config = resolve_lora_config(lora_kwargs, model_config)
     cache_config = CacheConfig(**split["cache_config"])
-    if cache_config.kv_offload_gib and parallel_config.world_size > 1:
-        raise ConfigError(
-            f"kv_offload_gib runs on one rank: tensor_parallel_size x pipeline_parallel_size must be 1, "
-            f"got {parallel_config.world_size}"
-        )
+    for name in ("kv_offload_gib", "kv_role"):
+        if getattr(cache_config, name) and parallel_config.world_size > 1:
+            raise ConfigError(
+                f"{name} runs on one rank: tensor_parallel_size x pipeline_parallel_size must be 1, "
+                f"got {parallel_config.world_size}"
+            )
+    if cache_config.kv_role == "producer" and cache_config.kv_transfer_address is None:
+        cache_config.kv_transfer_address = private_ipc_address()
     check_kv_cache_dtype(cache_config.kv_cache_dtype, torch.device(device_config.device))
     config = EngineConfig(
         model_config=model_config,

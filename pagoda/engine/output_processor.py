@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -71,6 +72,8 @@ class RequestState:
     error: str | None = None
     # A pooling request's vector, once the core sent it.
     pooling_output: np.ndarray | None = None
+    # The KV connector's params for a peer, with the final output.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def to_completion(self, finish_reason: FinishReason | None, stop_reason: int | str | None) -> CompletionOutput:
         return CompletionOutput(
@@ -93,6 +96,7 @@ class RequestState:
             prompt_logprobs=self.prompt_logprobs,
             metrics=request_metrics(self.arrival_time, self.first_token_time),
             pooling_output=self.pooling_output,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 
@@ -223,6 +227,8 @@ class OutputProcessor:
             state.error = core_output.error
         if core_output.pooling_output is not None:
             state.pooling_output = core_output.pooling_output
+        if core_output.kv_transfer_params is not None:
+            state.kv_transfer_params = core_output.kv_transfer_params
         if state.detokenizer is not None and core_output.new_token_ids:
             stop = self._add_text(state, state.detokenizer, core_output.new_token_ids)
             if stop is not None:

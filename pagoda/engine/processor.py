@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from pagoda.config import EngineConfig
 from pagoda.engine.core_request import EngineCoreRequest
 from pagoda.errors import InvalidRequestError
+from pagoda.kv_transfer.disagg.params import parse_kv_transfer_params
 from pagoda.lora.checker import LoRARequestChecker
 from pagoda.lora.request import LoRARequest
 from pagoda.multimodal.image import MediaLimits
@@ -121,6 +122,7 @@ class Processor:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
         if params.structured_outputs is not None:
             self._check_structured_outputs(params)
+        parse_kv_transfer_params(params.kv_transfer_params)
         params = params.clone()
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         if params.bad_words:

@@ -1,5 +1,6 @@
 """The `pagoda` command: `generate` answers one prompt, `chat` holds a conversation, `serve`
-runs the OpenAI-compatible server, `bench` measures one."""
+runs the OpenAI-compatible server, `router` fronts a disaggregated-prefill pair of them,
+`bench` measures one."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pagoda import __version__
 from pagoda.benchmarks.cli_args import add_bench_parser
 from pagoda.config import ConfigError
 from pagoda.entrypoints.openai.cli_args import add_serve_args
+from pagoda.entrypoints.router_args import add_router_args
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import RequestOutput
 from pagoda.process_exit import exit_process
@@ -72,6 +74,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=None, help="requests in one batch (default: 256)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step (default: 8192)")
     engine.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: 16)")
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of the GPU's memory this engine may use, KV cache included (e.g. 0.4 for each of two "
+        "servers sharing one GPU) (default: 0.9)",
+    )
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     engine.add_argument(
         "--kv-cache-dtype",
@@ -99,6 +108,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-offload-save-on-finish",
         action="store_true",
         help="with --kv-offload-gib: also copy a request's cached blocks to the host when it ends",
+    )
+    engine.add_argument(
+        "--kv-role",
+        default=None,
+        choices=["producer", "consumer"],
+        help="disaggregated prefill (behind `pagoda router`): a producer prefills and holds the KV for a "
+        "consumer, which pulls it and decodes (default: neither)",
+    )
+    engine.add_argument(
+        "--kv-hold-timeout-s",
+        type=float,
+        default=None,
+        help="producer: seconds a prefilled request's KV waits for its pull before it is freed (default: 60)",
+    )
+    engine.add_argument(
+        "--kv-load-timeout-s",
+        type=float,
+        default=None,
+        help="seconds a request waits for its KV to load (offload, a consumer's pull) before it recomputes "
+        "(default: 30)",
     )
     engine.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests draw from it)")
     engine.add_argument(
@@ -162,6 +191,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_lora_rank",
         "max_cpu_loras",
         "kv_offload_gib",
+        "gpu_memory_utilization",
+        "kv_role",
+        "kv_hold_timeout_s",
+        "kv_load_timeout_s",
     ):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
@@ -314,6 +347,12 @@ def add_global_args_to_subcommands(parser: argparse.ArgumentParser) -> None:
                 add_global_args_to_subcommands(subparser)
 
 
+def run_router_command(args: argparse.Namespace) -> int:
+    from pagoda.entrypoints.router import run_router
+
+    return run_router(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda, a fast LLM inference engine")
     parser.add_argument("--version", action="version", version=f"pagoda {__version__}")
@@ -340,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=run_serve)
+
+    router = commands.add_parser(
+        "router", help="the proxy for disaggregated prefill (a producer and a consumer)", formatter_class=HelpFormatter
+    )
+    add_router_args(router)
+    router.set_defaults(func=run_router_command)
 
     add_bench_parser(commands, add_engine_args, engine_kwargs)
     add_global_args_to_subcommands(parser)

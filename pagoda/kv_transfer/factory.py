@@ -19,12 +19,17 @@ def block_bytes(kv_cache_config: KVCacheConfig) -> int:
     return sum(tensor.size_bytes for tensor in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
 
 
-def num_host_blocks(cache_config: CacheConfig, kv_cache_config: KVCacheConfig) -> int:
-    """Blocks the `kv_offload_gib` host pool holds; checks that offload fits the model."""
+def check_one_full_attention_group(kv_cache_config: KVCacheConfig, setting: str) -> None:
+    """Whole-block connectors move one block table's blocks: refuse `setting` for other models."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
         kinds = ", ".join(type(group.kv_cache_spec).__name__ for group in groups)
-        raise ConfigError(f"kv_offload_gib needs one full-attention KV-cache group; this model has {kinds}")
+        raise ConfigError(f"{setting} needs one full-attention KV-cache group; this model has {kinds}")
+
+
+def num_host_blocks(cache_config: CacheConfig, kv_cache_config: KVCacheConfig) -> int:
+    """Blocks the `kv_offload_gib` host pool holds; checks that offload fits the model."""
+    check_one_full_attention_group(kv_cache_config, "kv_offload_gib")
     size = block_bytes(kv_cache_config)
     count = int(cache_config.kv_offload_gib * GiB) // size
     if count < 1:
@@ -38,6 +43,8 @@ def make_scheduler_connector(
     cache_config: CacheConfig, kv_cache_manager: KVCacheManager
 ) -> KVConnectorScheduler | None:
     """The scheduler half over the scheduler's KV-cache manager, or None for no connector."""
+    if cache_config.kv_role is not None:
+        return _disagg_scheduler_connector(cache_config, kv_cache_manager)
     if not cache_config.kv_offload_gib:
         return None
     from pagoda.kv_transfer.offload.scheduler import OffloadingScheduler
@@ -50,3 +57,14 @@ def make_scheduler_connector(
         manager.block_key,
         cache_config.kv_offload_save_on_finish,
     )
+
+
+def _disagg_scheduler_connector(cache_config: CacheConfig, kv_cache_manager: KVCacheManager) -> KVConnectorScheduler:
+    from pagoda.kv_transfer.disagg.scheduler import ConsumerScheduler, ProducerScheduler
+
+    check_one_full_attention_group(kv_cache_manager.kv_cache_config, f"kv_role {cache_config.kv_role!r}")
+    block_size = kv_cache_manager.managers[0].block_size
+    if cache_config.kv_role == "consumer":
+        return ConsumerScheduler(block_size)
+    assert cache_config.kv_transfer_address is not None, "a producer's address is set by create_engine_config"
+    return ProducerScheduler(cache_config.kv_transfer_address, block_size)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagoda.scheduler.output import SchedulerOutput
@@ -91,8 +91,14 @@ class KVConnectorScheduler:
         `request.num_computed_tokens` on receive the `num_external_tokens` tokens to load."""
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
-        """The request ended; True holds its blocks until `TransferUpdate.released` names it."""
+        """The request ended (`block_ids`: its prefix-cached leading blocks, maybe none); True
+        holds those blocks until `TransferUpdate.released` names it (never with none)."""
         return False
+
+    def finished_kv_transfer_params(self, request: Request) -> dict[str, Any] | None:
+        """What the response of a request whose blocks `request_finished` just held tells a peer
+        (disaggregated prefill: where and how to pull them); None: nothing."""
+        return None
 
     def on_block_evicted(self, block_id: int, block_hash: bytes) -> None:
         """A cached block is about to be reused: its content is still there during this step."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from pagoda.kv_transfer.interface import KVConnectorOutput, KVConnectorScheduler
 from pagoda.outputs import RequestStatus
@@ -105,14 +106,17 @@ class RemoteKV:
         self.held[_load_hold(req_id)] = self.kv.detach(request)
         self.connector.request_load_abandoned(req_id)
 
-    def release(self, request: Request) -> None:
-        """Free a finished request's blocks, unless the connector holds them for a transfer."""
+    def release(self, request: Request) -> dict[str, Any] | None:
+        """Free a finished request's blocks, unless the connector holds them for a transfer;
+        returns the connector's `kv_transfer_params` for the request's response, if any."""
         self._recompute.discard(request.request_id)
         block_ids = self.kv.get_block_ids(request)[0][: self.kv.num_cached_blocks(request)]
-        if block_ids and self.connector.request_finished(request, block_ids):
+        if self.connector.request_finished(request, block_ids):
+            assert block_ids, f"request {request.request_id!r}: the KV connector held no blocks"
             self.held[request.request_id] = self.kv.detach(request)
-        else:
-            self.kv.free(request)
+            return self.connector.finished_kv_transfer_params(request)
+        self.kv.free(request)
+        return None
 
     @property
     def busy(self) -> bool:

@@ -35,7 +35,7 @@ with their vector in the step that completes their prompt. With `whole_prompt_po
 or CLS pooling, encoders: see pagoda/pooling) a prompt runs whole in one step and reads no
 prefix cache; last-token pooling chunks and hits the cache like any prompt.
 
-A KV connector (CPU offload: `kv_offload_gib`) may supply tokens past the prefix-cache hits: the
+A KV connector (CPU offload: `kv_offload_gib`; disaggregated prefill: `kv_role`) may supply tokens past the prefix-cache hits: the
 request then waits for their load outside the queues (see `RemoteKV`), and each step carries
 the connector's jobs in `kv_connector_metadata`.
 """
@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 from pagoda.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagoda.kv_cache_interface import KVCacheConfig
@@ -448,10 +449,11 @@ class Scheduler:
                     new_prompt_logprobs=prompt_logprobs.get(req_id) if prompt_logprobs else None,
                 )
             )
+        by_id = {output.req_id: output for output in outputs} if stopped else {}
         for request, final_status in stopped:
             if request.status != RequestStatus.RUNNING:
                 self.waiting.remove(request)  # preempted while its last token was in flight
-            self._release(request, final_status)
+            by_id[request.request_id].kv_transfer_params = self._release(request, final_status)
         if stopped:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
@@ -647,11 +649,13 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def _release(self, request: Request, status: RequestStatus) -> None:
-        """Finish a request already taken out of its queue: free its blocks, report its id."""
+    def _release(self, request: Request, status: RequestStatus) -> dict[str, Any] | None:
+        """Finish a request already taken out of its queue: free its blocks, report its id;
+        returns the KV connector's `kv_transfer_params` for its response."""
         request.status = status
+        kv_transfer_params = None
         if self.remote_kv is not None:
-            self.remote_kv.release(request)
+            kv_transfer_params = self.remote_kv.release(request)
         else:
             self.kv_cache_manager.free(request)
         self.encoder_scheduler.free(request.request_id)
@@ -659,6 +663,7 @@ class Scheduler:
             self.proposer.remove(request.request_id)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
+        return kv_transfer_params
 
 
 def _append_cached(

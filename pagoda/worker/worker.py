@@ -181,6 +181,8 @@ class Worker:
             # order the reuse of its memory after it, but sleep mode's tagged memory (weights,
             # KV cache) is unmapped the moment its last tensor goes.
             torch.cuda.synchronize(self.device)
+        if self.model_runner is not None:
+            self.model_runner.kv_connector.shutdown()
         self.model_runner = None
         self.memory_pool = None
         self._unresolved.clear()

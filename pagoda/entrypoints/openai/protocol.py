@@ -153,6 +153,10 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+# A JSON object from the client (every string valid Unicode text).
+JSONObject = Annotated[dict[str, Any], AfterValidator(_check_json_texts)]
+
+
 class SamplingFields(RequestBody):
     """Fields that completions and chat share, under the engine's SamplingParams names."""
 
@@ -178,16 +182,15 @@ class SamplingFields(RequestBody):
     truncate_prompt_tokens: int | None = None
     # A tenant's key for the prefix cache: only requests with the same salt share cached blocks.
     cache_salt: Text | None = None
+    # Disaggregated prefill (see pagoda/kv_transfer/disagg/params.py): {"do_remote_decode": true}
+    # to a producer; the producer's answer's kv_transfer_params to a consumer.
+    kv_transfer_params: JSONObject | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Who sent it, for the log (OpenAI's abuse tracking has no counterpart here).
     user: Text | None = None
     safety_identifier: Text | None = None
     metadata: dict[Text, Text] | None = None
-
-
-# A JSON object from the client (every string valid Unicode text).
-JSONObject = Annotated[dict[str, Any], AfterValidator(_check_json_texts)]
 
 
 class JSONSchemaSpec(StrictModel):
@@ -537,6 +540,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # A disaggregated-prefill producer's pull handle, for the consumer (vLLM's field).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -576,6 +581,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    # A disaggregated-prefill producer's pull handle, for the consumer (vLLM's field).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class FunctionCallDelta(BaseModel):

@@ -54,6 +54,7 @@ SHARED_SAMPLING_FIELDS = (
     "skip_special_tokens",
     "include_stop_str_in_output",
     "truncate_prompt_tokens",
+    "kv_transfer_params",
 )
 
 

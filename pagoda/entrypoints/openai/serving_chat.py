@@ -232,6 +232,7 @@ class OpenAIServingChat(OpenAIServing):
             model=self.response_model(body),
             choices=choices,
             usage=make_usage({0: output}),
+            kv_transfer_params=output.kv_transfer_params,
         )
 
     async def _chunks(

@@ -98,6 +98,8 @@ class OpenAIServingCompletion(OpenAIServing):
             model=self.response_model(body),
             choices=choices,
             usage=make_usage(dict(enumerate(finals))),
+            # One prompt's: a producer's handle covers one prompt's blocks.
+            kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None,
         )
 
     async def _chunks(

@@ -7,14 +7,21 @@ every layer's K and V (2 MiB there), so it crosses PCIe as one large copy. On CU
 is gathered on the device into a staging buffer (device-to-device, at HBM bandwidth) and the
 staging rows go to or from the host in runs of consecutive slots; on the CPU the host pool is
 addressed directly.
+
+The pool may be empty (`num_host_blocks` 0): disaggregated prefill copies between the cache
+and one shared-memory segment per transfer, laid out the same way, passed as `host`.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pagoda.kv_cache_interface import KVCacheConfig
 
 # Device staging per direction: large enough for full-bandwidth copies, small next to the cache.
 STAGING_BYTES = 128 << 20
@@ -44,8 +51,26 @@ def slot_runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
             start = i
 
 
+def cache_byte_views(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> list[torch.Tensor]:
+    """One [2, num_blocks, page/2] byte view per KV-cache tensor (what `BlockCopier.bind` takes)."""
+    num_blocks = kv_cache_config.num_blocks
+    return [
+        kv_caches[tensor.shared_by[0]].view(torch.uint8).view(2, num_blocks, -1)
+        for tensor in kv_cache_config.kv_cache_tensors
+    ]
+
+
 class BlockCopier:
-    def __init__(self, num_tensors: int, page_bytes: int, num_host_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_tensors: int,
+        page_bytes: int,
+        num_host_blocks: int,
+        device: torch.device,
+        directions: tuple[str, ...] = ("save", "load"),
+    ) -> None:
+        """`directions`: the copies it makes ("save": device to host, "load": host to device),
+        each with its device staging on CUDA, allocated now so a profile run counts it."""
         if page_bytes % 2:
             raise ValueError(f"a KV page holds K and V halves, got {page_bytes} bytes")
         self.device = device
@@ -53,18 +78,18 @@ class BlockCopier:
         self.block_shape = (num_tensors, 2, page_bytes // 2)
         self.block_bytes = num_tensors * page_bytes
         shape = (num_host_blocks, *self.block_shape)
-        if self.on_cuda:
+        if self.on_cuda and num_host_blocks:
             self.host = pinned_empty(shape)
             # Holding the tensor, the finalizer unregisters its memory before it can be freed.
             weakref.finalize(self, _unregister, self.host)
         else:
             self.host = torch.empty(shape, dtype=torch.uint8)
-        self.staging_blocks = max(1, min(num_host_blocks, STAGING_BYTES // self.block_bytes))
+        self.staging_blocks = max(1, min(num_host_blocks or STAGING_BYTES, STAGING_BYTES // self.block_bytes))
         self._staging: dict[str, torch.Tensor] = {}
         if self.on_cuda:
             self._staging = {
                 kind: torch.empty((self.staging_blocks, *self.block_shape), dtype=torch.uint8, device=device)
-                for kind in ("save", "load")
+                for kind in directions
             }
         self.caches: list[torch.Tensor] = []
 
@@ -80,11 +105,13 @@ class BlockCopier:
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
 
-    def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
-        """Device blocks to host slots: done now on the CPU, queued on the current stream on CUDA."""
+    def save(self, block_ids: Sequence[int], slots: Sequence[int], host: torch.Tensor | None = None) -> None:
+        """Device blocks to host slots (of `host`, default the pool): done now on the CPU,
+        queued on the current stream on CUDA."""
+        host = self.host if host is None else host
         if not self.on_cuda:
             gathered = torch.stack([cache.index_select(1, self._ids(block_ids)) for cache in self.caches])
-            self.host.index_copy_(0, torch.tensor(slots, dtype=torch.long), gathered.permute(2, 0, 1, 3))
+            host.index_copy_(0, torch.tensor(slots, dtype=torch.long), gathered.permute(2, 0, 1, 3))
             return
         staging = self._staging["save"]
         for first in range(0, len(block_ids), self.staging_blocks):
@@ -93,12 +120,14 @@ class BlockCopier:
             for t, cache in enumerate(self.caches):
                 staging[: len(chunk), t].copy_(cache.index_select(1, ids).transpose(0, 1))
             for slot, index, length in slot_runs(slots[first : first + len(chunk)]):
-                self.host[slot : slot + length].copy_(staging[index : index + length], non_blocking=True)
+                host[slot : slot + length].copy_(staging[index : index + length], non_blocking=True)
 
-    def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Host slots to device blocks: done now on the CPU, queued on the current stream on CUDA."""
+    def load(self, slots: Sequence[int], block_ids: Sequence[int], host: torch.Tensor | None = None) -> None:
+        """Host slots (of `host`, default the pool) to device blocks: done now on the CPU,
+        queued on the current stream on CUDA."""
+        host = self.host if host is None else host
         if not self.on_cuda:
-            source = self.host.index_select(0, torch.tensor(slots, dtype=torch.long))
+            source = host.index_select(0, torch.tensor(slots, dtype=torch.long))
             ids = self._ids(block_ids)
             for t, cache in enumerate(self.caches):
                 cache.index_copy_(1, ids, source[:, t].transpose(0, 1))
@@ -107,7 +136,7 @@ class BlockCopier:
         for first in range(0, len(block_ids), self.staging_blocks):
             chunk = block_ids[first : first + self.staging_blocks]
             for slot, index, length in slot_runs(slots[first : first + len(chunk)]):
-                staging[index : index + length].copy_(self.host[slot : slot + length], non_blocking=True)
+                staging[index : index + length].copy_(host[slot : slot + length], non_blocking=True)
             ids = self._ids(chunk)
             for t, cache in enumerate(self.caches):
                 cache.index_copy_(1, ids, staging[: len(chunk), t].transpose(0, 1))

@@ -18,7 +18,7 @@ import torch
 
 from pagoda.kv_cache_interface import KVCacheConfig
 from pagoda.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, KVTransferStats
-from pagoda.kv_transfer.offload.copier import BlockCopier
+from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views
 from pagoda.kv_transfer.offload.scheduler import BlockCopyJob, OffloadMetadata
 from pagoda.worker.kv_connector.base import KVConnector
 
@@ -84,13 +84,7 @@ class OffloadingWorker(KVConnector):
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> None:
-        num_blocks = kv_cache_config.num_blocks
-        self.copier.bind(
-            [
-                kv_caches[tensor.shared_by[0]].view(torch.uint8).view(2, num_blocks, -1)
-                for tensor in kv_cache_config.kv_cache_tensors
-            ]
-        )
+        self.copier.bind(cache_byte_views(kv_caches, kv_cache_config))
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata | None) -> None:
         assert metadata is None or isinstance(metadata, OffloadMetadata)

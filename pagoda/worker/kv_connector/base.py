@@ -67,6 +67,9 @@ class KVConnector:
     def check_idle(self) -> None:
         """Raise AssertionError unless no transfer is in flight."""
 
+    def shutdown(self) -> None:
+        """Stop the connector's threads and release what it holds outside the device cache."""
+
     # ---- the seed's points in execute_model --------------------------------------------
 
     def can_skip_forward(self, scheduler_output: SchedulerOutput) -> bool:
