@@ -915,8 +915,8 @@ class GPUModelRunner:
     def _determine_batch_execution_and_padding(self, scheduler_output: SchedulerOutput) -> BatchExecution:
         """A batch replays the graph of its kind of the nearest captured size above it: uniform
         decode (one token per request), verify (at most 1 + k per request, more than one in
-        all: a speculative verify step, its rows padded to the graph's) or mixed; a batch larger
-        than every graph runs eagerly, unpadded."""
+        all, at least half the graph's tokens: a speculative verify step, its rows padded to
+        the graph's) or mixed; a batch larger than every graph runs eagerly, unpadded."""
         num_tokens = scheduler_output.total_num_scheduled_tokens
         num_reqs = len(scheduler_output.num_scheduled_tokens)
         if self.encoder_runner is not None and self.encoder_runner.step_has_embeddings(
@@ -929,6 +929,10 @@ class GPUModelRunner:
             key = None
             if num_tokens > num_reqs and max(scheduler_output.num_scheduled_tokens.values()) <= self.decode_query_len:
                 key = manager.verify_descriptor_for(num_reqs)
+                # At least half its tokens real (a uniform step always is: graph sizes at most
+                # double); sparser drafts pad less in a mixed graph (its matmuls see fewer rows).
+                if key is not None and 2 * num_tokens < key.num_tokens:
+                    key = None
             if key is None:
                 key = manager.descriptor_for(num_tokens, uniform_decode=num_tokens == num_reqs)
             if key is not None:

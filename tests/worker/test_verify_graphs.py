@@ -66,8 +66,10 @@ def step(*query_lens: int) -> SchedulerOutput:
     ("query_lens", "expected", "num_rows"),
     [
         ((Q, Q, Q), BatchDescriptor(4 * Q, True, decode_query_len=Q), 4),
-        ((Q, 1, 3, Q, 2), BatchDescriptor(8 * Q, True, decode_query_len=Q), 8),  # fewer drafts, padded rows
-        ((2,), BatchDescriptor(Q, True, decode_query_len=Q), 1),
+        ((Q, Q, 3, Q, Q), BatchDescriptor(8 * Q, True, decode_query_len=Q), 8),  # fewer drafts, padded rows
+        ((Q,) + (1,) * 8, BatchDescriptor(16, False), 16),  # 13 tokens would pad to 80: mixed pads less
+        ((3,), BatchDescriptor(Q, True, decode_query_len=Q), 1),
+        ((2,), BatchDescriptor(2, False), 2),  # 2 tokens would pad to 5
         ((1, 1, 1), BatchDescriptor(4, True), 4),  # no drafts at all: a decode graph
         ((Q + 1, 1), BatchDescriptor(8, False), 8),  # a longer query: mixed
         ((Q,) * 9, BatchDescriptor(64, False), 16),  # more requests than any verify graph: mixed
