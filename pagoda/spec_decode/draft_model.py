@@ -15,9 +15,13 @@ One engine step:
 1. `catch_up`: the draft's forward over the step's own inputs (prefill chunks, the last token
    and the drafts of a verify row: the same ids, positions and slots), so its KV covers every
    position the target computed, chunked prefills and prefix-cache misses included.
-2. `propose`: once verified, the step's tokens reach the host (the one sync: where a row's
-   last token sits depends on how many drafts it accepted); then k one-token forwards draft k
-   tokens for each row that sampled, the first after its last emitted token. A draft's KV goes
+2. `propose`: k one-token forwards draft k tokens for each row that sampled, the first after
+   its last emitted token. Where that token sits depends on how many drafts the row accepted,
+   which only the device knows yet: the steps' positions, lengths and slots are computed there
+   from the emitted counts (the host stages what it knows: each row's position before its
+   emitted tokens, its rows and held blocks), so the host queues the draft steps right behind
+   the verify step without waiting for it (a backend that plans on the host, the torch
+   reference, still waits for the lengths). A draft's KV goes
    into the row's slots past its tokens (the scheduler allocates k lookahead slots; a position
    outside the row's blocks writes nowhere, which only makes that draft worse) and the next
    step's catch-up rewrites those positions with the tokens that were kept.
@@ -43,6 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagoda.attention.backends import CUDAGraphSupport
 from pagoda.attention.layer import Attention
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import ModelConfig
@@ -67,13 +72,17 @@ class DraftModelProposer:
         self.model: torch.nn.Module | None = None
         self.layers: list[Attention] = []
         max_rows = runner.max_num_reqs
-        # The k one-token steps' values, staged at once after the sync ([k, padded rows] each).
-        self.staged_positions = runner.buffer(max_rows * num_speculative_tokens, torch.int64)
-        self.staged_seq_lens = runner.buffer(max_rows * num_speculative_tokens, torch.int32)
-        self.staged_slots: dict[int, CpuGpuBuffer] = {}
+        # Host-known values of a proposal, staged for the device: each sampled row's position
+        # before its emitted tokens, its batch row, the slots its blocks hold per group.
+        self.base_positions = runner.buffer(max_rows, torch.int64)
+        self.held_slots: dict[int, CpuGpuBuffer] = {}
         self.query_start_loc = runner.buffer(max_rows + 1, torch.int32)
         self.rows = runner.buffer(max_rows, torch.int64)
         self.logits_index = runner.buffer(max_rows, torch.int64)
+        # Recorded after a proposal's host-to-device copies: the next one rewrites their pinned
+        # sources only once they ran (no host sync waits for the step in between).
+        self._staged = torch.cuda.Event() if runner.device.type == "cuda" else None
+        self.host_plans = runner.attn_backend.cudagraph_support < CUDAGraphSupport.ALWAYS
         # What each one-token step (and its graph) reads; filled by device copies.
         device = runner.device
         self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
@@ -180,39 +189,57 @@ class DraftModelProposer:
         if token_ids is None:
             return None
         assert metadata is not None
-        num_emitted = (token_ids.cpu().numpy() >= 0).sum(axis=1)
-        last = (token_ids >= 0).sum(dim=1, keepdim=True) - 1
-        self.input_ids[: len(num_emitted)] = token_ids.gather(1, last).squeeze(1)
-        drafts = torch.empty(
-            (len(num_emitted), self.num_speculative_tokens), dtype=torch.int64, device=token_ids.device
-        )
+        self.begin_staging()
+        num_emitted = (token_ids >= 0).sum(dim=1)
+        self.input_ids[: len(token_ids)] = token_ids.gather(1, num_emitted[:, None] - 1).squeeze(1)
+        drafts = torch.empty((len(token_ids), self.num_speculative_tokens), dtype=torch.int64, device=token_ids.device)
         self._draft_steps(inputs, num_emitted, DraftSettings.of(self, inputs, num_emitted, metadata), drafts, 0)
+        self.end_staging()
         return drafts
 
+    def last_logits_rows(self, inputs: PreparedInputs, num_emitted: torch.Tensor) -> torch.Tensor:
+        """[rows] on the device: each sampled row's logits row of its last emitted token."""
+        num_rows = len(num_emitted)
+        self.logits_index.np[:num_rows] = inputs.logits_start - 1
+        return self.logits_index.copy_to_gpu(num_rows) + num_emitted
+
+    def begin_staging(self) -> None:
+        """Before a proposal writes the pinned staging buffers: the last one's copies have run."""
+        if self._staged is not None:
+            self._staged.synchronize()
+
+    def end_staging(self) -> None:
+        if self._staged is not None:
+            self._staged.record()
+
     def _draft_steps(
-        self, inputs: PreparedInputs, num_emitted: np.ndarray, settings: DraftSettings, drafts: torch.Tensor, first: int
+        self,
+        inputs: PreparedInputs,
+        num_emitted: torch.Tensor,
+        settings: DraftSettings,
+        drafts: torch.Tensor,
+        first: int,
     ) -> None:
         """Fill drafts[:, first:] by one-token steps: step j reads `input_ids` (the row's last
-        emitted token, then each draft) at j after each row's last emitted token's position."""
+        emitted token, then each draft) at j after each row's last emitted token's position.
+        num_emitted: [rows] int64 on the device, each sampled row's tokens this step."""
         assert self.model is not None
         num_steps = self.num_speculative_tokens - first
         if num_steps == 0:
             return
         num_rows = len(num_emitted)
         padded = self._padded_rows(num_rows)
-        self._stage(inputs, num_emitted, padded, num_steps)
-        count = num_steps * padded
-        positions = self.staged_positions.copy_to_gpu(count).view(num_steps, padded)
-        seq_lens = self.staged_seq_lens.copy_to_gpu(count).view(num_steps, padded)
-        slots = {gid: staged.copy_to_gpu(count).view(num_steps, padded) for gid, staged in self.staged_slots.items()}
+        positions, seq_lens, slots = self._stage(inputs, num_emitted, padded, num_steps)
+        host_seq_lens = seq_lens.cpu() if self.host_plans else None
         context = self._context(padded)
         key = BatchDescriptor(padded, True)
         for step in range(num_steps):
             self.positions[:padded].copy_(positions[step])
             self.seq_lens[:padded].copy_(seq_lens[step])
-            self.seq_lens_cpu[:padded] = self.staged_seq_lens.cpu[step * padded : (step + 1) * padded]
-            for gid, staged in slots.items():
-                self.slot_mappings[gid][:padded].copy_(staged[step])
+            if host_seq_lens is not None:
+                self.seq_lens_cpu[:padded] = host_seq_lens[step]
+            for gid, step_slots in slots.items():
+                self.slot_mappings[gid][:padded].copy_(step_slots[step])
             if self.graphs is not None and key in self.graphs.graphs:
                 hidden_states = self.graphs.replay(key)
             else:
@@ -234,43 +261,47 @@ class DraftModelProposer:
                 return key.num_tokens
         return num_rows
 
-    def _stage(self, inputs: PreparedInputs, num_emitted: np.ndarray, padded: int, k: int) -> None:
-        """Host values of the k one-token steps, [k, padded] each: step j's input sits j after
-        each row's last emitted token; padded rows have length 0 and write nowhere, as do
-        positions outside a row's blocks or past max_model_len (their drafts are only worse)."""
+    def _stage(
+        self, inputs: PreparedInputs, num_emitted: torch.Tensor, padded: int, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """Positions, lengths and per-group slots of the k one-token steps, [k, padded] each on
+        the device: step j's input sits j after each row's last emitted token; padded rows have
+        length 0 and write nowhere, as do positions outside a row's blocks or past
+        max_model_len (their drafts are only worse)."""
         runner = self.runner
         batch = runner.input_batch
         rows = inputs.sample_rows
         num_rows = len(rows)
-        first = runner.seq_lens.np[rows].astype(np.int64) - inputs.num_drafts + num_emitted - 1
-        positions = np.zeros((k, padded), dtype=np.int64)
-        positions[:, :num_rows] = first[None, :] + np.arange(k)[:, None]
-        inside = positions < runner.max_model_len
-        inside[:, num_rows:] = False
-        positions = np.minimum(positions, runner.max_model_len - 1)
-        self.staged_positions.np[: k * padded] = positions.ravel()
-        seq_lens = np.where(np.arange(padded) < num_rows, positions + 1, 0)
-        self.staged_seq_lens.np[: k * padded] = seq_lens.ravel()
+        device = num_emitted.device
+        self.base_positions.np[:num_rows] = runner.seq_lens.np[rows].astype(np.int64) - inputs.num_drafts - 1
+        first = self.base_positions.copy_to_gpu(num_rows) + num_emitted
+        positions = torch.zeros((k, padded), dtype=torch.int64, device=device)
+        positions[:, :num_rows] = first[None, :] + torch.arange(k, device=device)[:, None]
+        real_rows = torch.arange(padded, device=device) < num_rows
+        inside = (positions < runner.max_model_len) & real_rows[None, :]
+        positions.clamp_(max=runner.max_model_len - 1)
+        seq_lens = torch.where(real_rows[None, :], positions + 1, 0).to(torch.int32)
         self.query_start_loc.np[: padded + 1] = np.minimum(np.arange(padded + 1), num_rows)
         self.query_start_loc.copy_to_gpu(padded + 1)
         self.rows.np[:num_rows] = rows
         rows_device = self.rows.copy_to_gpu(num_rows)
+        padded_rows = torch.nn.functional.pad(rows_device, (0, padded - num_rows))
         self._context(padded)  # makes the static buffers of the draft's groups
+        slots = {}
         for gid in self._groups():
             table, block_size = batch.block_table[gid], batch.block_table.block_sizes[gid]
-            columns = np.minimum(positions // block_size, table.max_num_blocks_per_req - 1)
-            slots = table.block_table_np[np.pad(rows, (0, padded - num_rows))[None, :], columns].astype(np.int64)
-            slots = slots * block_size + positions % block_size
-            held = np.zeros((1, padded), dtype=np.int64)
-            held[0, :num_rows] = table.num_blocks_per_row[rows].astype(np.int64) * block_size
-            slots[~(inside & (positions < held))] = -1
-            staged = self.staged_slots.get(gid)
-            if staged is None:
-                staged = self.staged_slots[gid] = runner.buffer(
-                    runner.max_num_reqs * self.num_speculative_tokens, torch.int64
-                )
-            staged.np[: k * padded] = slots.ravel()
+            held = self.held_slots.get(gid)
+            if held is None:
+                held = self.held_slots[gid] = runner.buffer(runner.max_num_reqs, torch.int64)
+            held.np[:padded] = 0
+            held.np[:num_rows] = table.num_blocks_per_row[rows].astype(np.int64) * block_size
+            columns = (positions // block_size).clamp_(max=table.max_num_blocks_per_req - 1)
+            group_slots = table.block_table[padded_rows[None, :], columns].to(torch.int64) * block_size
+            group_slots += positions % block_size
+            keep = inside & (positions < held.copy_to_gpu(padded)[None, :])
+            slots[gid] = torch.where(keep, group_slots, -1)
             self.block_tables[gid][:num_rows] = table.block_table.index_select(0, rows_device)
+        return positions, seq_lens, slots
 
 
 @dataclass(frozen=True)
@@ -285,11 +316,13 @@ class DraftSettings:
 
     @classmethod
     def of(
-        cls, proposer: DraftModelProposer, inputs: PreparedInputs, num_emitted: np.ndarray, metadata: SamplingMetadata
+        cls,
+        proposer: DraftModelProposer,
+        inputs: PreparedInputs,
+        num_emitted: torch.Tensor,
+        metadata: SamplingMetadata,
     ) -> DraftSettings:
-        num_rows = len(num_emitted)
-        proposer.logits_index.np[:num_rows] = inputs.logits_start + num_emitted - 1
-        index = proposer.logits_index.copy_to_gpu(num_rows)
+        index = proposer.last_logits_rows(inputs, num_emitted)
         return cls(
             metadata.temperature.index_select(0, index),
             metadata.seeds.index_select(0, index),

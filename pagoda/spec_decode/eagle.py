@@ -41,7 +41,6 @@ class EagleProposer(DraftModelProposer):
         self.shifted_ids = runner.buffer(runner.max_num_tokens, torch.int64)
         self.emitted_rows = runner.buffer(runner.max_num_tokens, torch.int64)
         self.emitted_columns = runner.buffer(runner.max_num_tokens, torch.int64)
-        self.last_index = runner.buffer(runner.max_num_reqs, torch.int64)
         self.aux_hidden_states: torch.Tensor | None = None
 
     def load_model(self) -> torch.nn.Module:
@@ -93,6 +92,7 @@ class EagleProposer(DraftModelProposer):
         metadata: SamplingMetadata | None,
     ) -> torch.Tensor | None:
         assert self.model is not None
+        self.begin_staging()  # _shifted_ids writes pinned buffers too
         num_tokens = inputs.input_ids.shape[0]
         target_hidden = hidden_states if self.aux_hidden_states is None else self.aux_hidden_states[:num_tokens]
         out, carried = self.model(
@@ -102,19 +102,20 @@ class EagleProposer(DraftModelProposer):
             inputs.forward_context,
         )
         if token_ids is None:
+            self.end_staging()
             return None
         assert metadata is not None
-        num_emitted = (token_ids.cpu().numpy() >= 0).sum(axis=1)
+        num_emitted = (token_ids >= 0).sum(dim=1)
         num_rows = len(num_emitted)
-        last = self.runner.logits_indices.np[inputs.logits_start + num_emitted - 1]
-        self.last_index.np[:num_rows] = last
-        index = self.last_index.copy_to_gpu(num_rows)
+        # The step's token index of each row's last emitted token.
+        index = self.runner.logits_indices.gpu[self.last_logits_rows(inputs, num_emitted)]
         settings = DraftSettings.of(self, inputs, num_emitted, metadata)
         drafts = torch.empty((num_rows, self.num_speculative_tokens), dtype=torch.int64, device=token_ids.device)
         drafts[:, 0] = settings.draw(self.model.compute_logits(out.index_select(0, index)), 0)
         self.input_ids[:num_rows] = drafts[:, 0]
         self.hidden[:num_rows] = carried.index_select(0, index)
         self._draft_steps(inputs, num_emitted, settings, drafts, 1)
+        self.end_staging()
         return drafts
 
     def _step_forward(self, num_rows: int, context: ForwardContext) -> torch.Tensor:

@@ -9,14 +9,16 @@ history; the stale proposal costs acceptance only on steps after a miss (measure
 tests/spec_decode/test_ngram_async_cost.py). A verify step in flight is never proposed past:
 the scheduler waits for its accepted count (see `Scheduler`).
 
-Matching is vectorized over the batch with NumPy: one pass per n (longest first) compares
-every window of every row's history with the row's suffix.
+Matching is vectorized over the batch with NumPy, in one pass over the history for every n at
+once: after step i, `run[r, p]` says whether the i + 1 tokens ending at p equal row r's last
+i + 1 tokens, so each step costs a few [rows, length] comparisons (the earlier form compared
+every window of every n separately: about 4 ms at 32 rows of 160 tokens and 17 ms at 700 on
+a loaded CPU core, now well under a millisecond, and it was paid between verify steps).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(
@@ -38,17 +40,26 @@ def propose_ngram(
     width = int(lengths.max())
     history = tokens[:, :width]
     rows = np.arange(num_rows)
+    # An occurrence ending at p must have a token after it that is not the suffix's own end.
+    ends_before_last = np.arange(width)[None, :] < (lengths - 1)[:, None]
+    run = np.ones((num_rows, width), dtype=bool)
+    first_end = np.full((max_n + 1, num_rows), -1, dtype=np.int64)  # per n, first occurrence's last token
+    for i in range(max_n):
+        if i >= width:
+            break
+        # Token i back from the end of the suffix, against token i back from each candidate end.
+        target = history[rows, np.maximum(lengths - 1 - i, 0)]
+        run[:, :i] = False
+        run[:, i:] &= history[:, : width - i] == target[:, None]
+        n = i + 1
+        if n >= min_n:
+            found = run & ends_before_last
+            any_found = found.any(axis=1)
+            first_end[n, any_found] = np.argmax(found, axis=1)[any_found]
     start = np.full(num_rows, -1, dtype=np.int64)  # where the drafted continuation begins
     for n in range(max_n, min_n - 1, -1):
-        open_rows = (start < 0) & (lengths > n)
-        if width <= n or not open_rows.any():
-            continue
-        suffix = history[rows[:, None], np.maximum(lengths[:, None] - n + np.arange(n), 0)]
-        windows = sliding_window_view(history, n, axis=1)[:, : width - n]  # windows with a token after them
-        matches = (windows == suffix[:, None, :]).all(axis=2)
-        matches &= np.arange(width - n) < (lengths - n)[:, None]  # before the suffix itself
-        matched = open_rows & matches.any(axis=1)
-        start[matched] = np.argmax(matches, axis=1)[matched] + n
+        matched = (start < 0) & (first_end[n] >= 0)
+        start[matched] = first_end[n, matched] + 1
     found = start >= 0
     counts[found] = np.minimum(num_drafts, lengths[found] - start[found])
     columns = start[:, None] + np.arange(num_drafts)

@@ -6,7 +6,13 @@ forward (embedding, every layer, final norm) of one padded batch. Two kinds shar
 uniform decode batches (one token per request; attention uses decode tiles and split-K) and
 mixed batches (prefill chunks beside decodes; prefill tiles, no split). The attention kernel
 finds each program's request on the device, so one graph per padded token count serves any
-mix of query lengths. The LM head and the sampler stay outside: which rows produce logits,
+mix of query lengths.
+
+With speculative decoding a third kind, verify graphs, serves steps whose requests bring at
+most q = 1 + k tokens each (a verify step: the last token and up to k drafts; vLLM's
+uniform_decode_query_len): one graph per padded request count R of the decode sizes, R * q
+tokens, R rows, so its attention runs decode tiles (a request's q tokens and its query heads in
+one program per KV head) with split-K instead of a mixed graph's prefill tiles. The LM head and the sampler stay outside: which rows produce logits,
 and which sampling passes run, change from step to step, and their cost is one matmul plus a
 few kernels.
 
@@ -38,11 +44,18 @@ class CUDAGraphMode(enum.Enum):
 @dataclass(frozen=True)
 class BatchDescriptor:
     """What a captured graph is keyed by: its padded token count, whether every request
-    brings exactly one token, and whether its attention cascades (shared prefixes)."""
+    brings at most `decode_query_len` tokens (1: a decode graph; 1 + k: a verify graph of
+    num_tokens // decode_query_len rows), and whether its attention cascades (shared prefixes)."""
 
     num_tokens: int
     uniform_decode: bool
     cascade: bool = False
+    decode_query_len: int = 1
+
+    @property
+    def num_rows(self) -> int | None:
+        """Request rows of a uniform graph (its launch grids are fixed at capture); None: mixed."""
+        return self.num_tokens // self.decode_query_len if self.uniform_decode else None
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
@@ -54,19 +67,35 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 class CudaGraphManager:
     """Decode graphs for every size up to `max_decode_size` (twice with `cascade`), mixed graphs
-    for every size from 2 up to `max_mixed_size` (a mixed batch has more tokens than requests)."""
+    for every size from 2 up to `max_mixed_size` (a mixed batch has more tokens than requests),
+    and with `verify_query_len` q > 1 verify graphs for every decode size R with R * q tokens
+    within `max_mixed_size` (plain attention only: a cascading verify step runs eagerly)."""
 
     def __init__(
-        self, capture_sizes: list[int], max_decode_size: int, max_mixed_size: int, cascade: bool = False
+        self,
+        capture_sizes: list[int],
+        max_decode_size: int,
+        max_mixed_size: int,
+        cascade: bool = False,
+        verify_query_len: int = 1,
     ) -> None:
         if not capture_sizes or min(capture_sizes) < 1:
             raise ValueError(f"cudagraph capture sizes must be positive, got {capture_sizes}")
+        if verify_query_len < 1:
+            raise ValueError(f"verify_query_len must be >= 1, got {verify_query_len}")
         sizes = sorted(set(capture_sizes))
         self.max_decode_size = max_decode_size
         self.max_mixed_size = max_mixed_size
         self.cascade = cascade
+        self.verify_query_len = verify_query_len
         self.decode_sizes = [size for size in sizes if size <= max_decode_size]
         self.mixed_sizes = [size for size in sizes if 2 <= size <= max_mixed_size]
+        # Request counts of the verify graphs (none without speculation).
+        self.verify_sizes = (
+            [size for size in self.decode_sizes if size * verify_query_len <= max_mixed_size]
+            if verify_query_len > 1
+            else []
+        )
         self.graphs: dict[BatchDescriptor, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[BatchDescriptor, torch.Tensor] = {}
         self.pool: tuple[int, int] | None = None  # created with the first graph
@@ -78,7 +107,13 @@ class CudaGraphManager:
         keys += [BatchDescriptor(size, True) for size in self.decode_sizes]
         if self.cascade:
             keys += [BatchDescriptor(size, True, cascade=True) for size in self.decode_sizes]
-        return sorted(keys, key=lambda key: (key.num_tokens, key.uniform_decode, key.cascade), reverse=True)
+        q = self.verify_query_len
+        keys += [BatchDescriptor(rows * q, True, decode_query_len=q) for rows in self.verify_sizes]
+        return sorted(
+            keys,
+            key=lambda key: (key.num_tokens, key.uniform_decode, key.cascade, key.decode_query_len),
+            reverse=True,
+        )
 
     def descriptor_for(self, num_tokens: int, uniform_decode: bool) -> BatchDescriptor | None:
         """The graph of the smallest captured size that holds the batch, or None (run eagerly)."""
@@ -86,6 +121,15 @@ class CudaGraphManager:
         for size in sizes:
             if size >= num_tokens:
                 return BatchDescriptor(size, uniform_decode)
+        return None
+
+    def verify_descriptor_for(self, num_reqs: int) -> BatchDescriptor | None:
+        """The verify graph of the fewest rows that holds `num_reqs` requests of at most
+        `verify_query_len` tokens each, or None (none captured that large)."""
+        q = self.verify_query_len
+        for rows in self.verify_sizes:
+            if rows >= num_reqs:
+                return BatchDescriptor(rows * q, True, decode_query_len=q)
         return None
 
     def capture(self, key: BatchDescriptor, forward: Callable[[], torch.Tensor]) -> None:

@@ -208,6 +208,8 @@ class GPUModelRunner:
             self._forced_acceptance_rng = torch.Generator(device).manual_seed(self.model_config.seed)
         # A verify step's drafts and logits starts, staged in pinned memory like the inputs above.
         max_drafts = speculative.num_speculative_tokens if speculative is not None else 0
+        # The most tokens a request brings to a step that only decodes: 1, or a verify step's 1 + k.
+        self.decode_query_len = 1 + max_drafts
         self.draft_token_ids = buffer(self.max_num_reqs * max_drafts, torch.int64)
         # A draft model proposing after each step (built by load_model); None: the scheduler's n-grams or none.
         self.drafter: DraftModelProposer | None = make_drafter(self, speculative)
@@ -254,7 +256,13 @@ class GPUModelRunner:
         sizes = [size for size in compilation.cudagraph_capture_sizes or default_capture_sizes(limit) if size <= limit]
         if not sizes:
             return None
-        return CudaGraphManager(sizes, self.max_num_reqs, limit, cascade=not self.scheduler_config.disable_cascade_attn)
+        return CudaGraphManager(
+            sizes,
+            self.max_num_reqs,
+            limit,
+            cascade=not self.scheduler_config.disable_cascade_attn,
+            verify_query_len=self.decode_query_len,
+        )
 
     def load_model(self) -> None:
         from pagoda.model.loader import get_model
@@ -325,6 +333,7 @@ class GPUModelRunner:
             self.max_model_len,
             cascade=cascade,
             batch_invariant=self.model_config.batch_invariant,
+            decode_query_len=self.decode_query_len,
         )
         # Attention groups of one spec share their builder; a state group's builder gathers its
         # own block table's state blocks into its buffers, so each has one.
@@ -419,9 +428,11 @@ class GPUModelRunner:
             self.drafter.capture_graphs(self.cudagraph_manager)
         torch.cuda.synchronize()
         logger.info(
-            "captured %d CUDA graphs (decode sizes up to %d, mixed up to %d) in %.1f s, using %.2f GiB",
+            "captured %d CUDA graphs (decode sizes up to %d, verify up to %d requests, mixed up to %d) "
+            "in %.1f s, using %.2f GiB",
             len(keys),
             max(self.cudagraph_manager.decode_sizes, default=0),
+            max(self.cudagraph_manager.verify_sizes, default=0),
             max(self.cudagraph_manager.mixed_sizes, default=0),
             time.perf_counter() - start,
             (free_before - torch.cuda.mem_get_info()[0]) / 2**30,
@@ -440,7 +451,9 @@ class GPUModelRunner:
         if manager is None:
             return encoder_graphs
         keys = manager.descriptors
-        largest = list(dict.fromkeys([keys[0], *[key for key in keys if key.uniform_decode][:1]]))
+        # The largest graph of each kind (mixed, decode, verify), then the two smallest.
+        kinds = {(key.uniform_decode, key.decode_query_len): key for key in reversed(keys)}
+        largest = list(dict.fromkeys([keys[0], *kinds.values()]))
         smallest = [key for key in keys[-2:] if key not in largest]
 
         def measure(scratch: CudaGraphManager, group: list[BatchDescriptor]) -> int:
@@ -451,7 +464,10 @@ class GPUModelRunner:
             return free_before - torch.cuda.mem_get_info()[0]
 
         scratch = CudaGraphManager(
-            manager.decode_sizes + manager.mixed_sizes, manager.max_decode_size, manager.max_mixed_size
+            manager.decode_sizes + manager.mixed_sizes,
+            manager.max_decode_size,
+            manager.max_mixed_size,
+            verify_query_len=manager.verify_query_len,
         )
         pool_and_first = measure(scratch, largest)
         per_graph = measure(scratch, smallest) / len(smallest) if smallest else 0
@@ -474,21 +490,21 @@ class GPUModelRunner:
     def _capture_graphs(self, manager: CudaGraphManager, keys: list[BatchDescriptor]) -> None:
         """Capture `keys` on dummy batches of their kind and size, over the current KV cache.
 
-        Decode: one token per row; mixed: requests of up to max_model_len - 1 tokens (any mix
-        replays the same launches). Replays later read the real step's values from the same
-        static buffers.
+        Decode: one token per row (a verify graph: decode_query_len per row); mixed: requests
+        of up to max_model_len - 1 tokens (any mix replays the same launches). Replays later
+        read the real step's values from the same static buffers.
         """
         assert self.model is not None
         forward = self._forward
         for key in keys:
             size = key.num_tokens
             if key.uniform_decode:
-                num_scheduled = np.ones(size, dtype=np.int64)
+                num_scheduled = np.full(size // key.decode_query_len, key.decode_query_len, dtype=np.int64)
             else:
                 chunk = min(size, self.max_model_len - 1)
                 num_scheduled = np.full(cdiv(size, chunk), chunk, dtype=np.int64)
                 num_scheduled[-1] = size - chunk * (len(num_scheduled) - 1)
-            execution = BatchExecution(CUDAGraphMode.FULL, key, size, self._graph_rows(size))
+            execution = BatchExecution(CUDAGraphMode.FULL, key, size, self._graph_rows(key))
             with self._dummy_batch(num_scheduled, execution) as inputs:
                 intermediate = self.intermediate_tensors(size)
                 manager.capture(
@@ -498,10 +514,10 @@ class GPUModelRunner:
                     ),
                 )
 
-    def _graph_rows(self, num_tokens: int) -> int:
-        """Request rows of a graph of `num_tokens` tokens: its launch grids are fixed at capture,
-        so every replay pads its rows to this count (zero-length rows past the real ones)."""
-        return min(num_tokens, self.max_num_reqs)
+    def _graph_rows(self, key: BatchDescriptor) -> int:
+        """Request rows of the graph `key`: its launch grids are fixed at capture, so every
+        replay pads its rows to this count (zero-length rows past the real ones)."""
+        return key.num_rows if key.num_rows is not None else min(key.num_tokens, self.max_num_reqs)
 
     @contextmanager
     def _dummy_batch(self, num_scheduled: np.ndarray, execution: BatchExecution) -> Iterator[PreparedInputs]:
@@ -897,8 +913,10 @@ class GPUModelRunner:
         return buffers.build(plan, num_scheduled, num_input_tokens, num_rows)
 
     def _determine_batch_execution_and_padding(self, scheduler_output: SchedulerOutput) -> BatchExecution:
-        """A batch replays the graph of its kind (uniform decode or mixed) of the nearest captured
-        size above it; a batch larger than every graph runs eagerly, unpadded."""
+        """A batch replays the graph of its kind of the nearest captured size above it: uniform
+        decode (one token per request), verify (at most 1 + k per request, more than one in
+        all, at least half the graph's tokens: a speculative verify step, its rows padded to
+        the graph's) or mixed; a batch larger than every graph runs eagerly, unpadded."""
         num_tokens = scheduler_output.total_num_scheduled_tokens
         num_reqs = len(scheduler_output.num_scheduled_tokens)
         if self.encoder_runner is not None and self.encoder_runner.step_has_embeddings(
@@ -906,19 +924,29 @@ class GPUModelRunner:
         ):
             return BatchExecution(CUDAGraphMode.NONE, None, num_tokens, num_reqs)  # graphs embed token ids only
         layerwise = self.kv_connector.uses_layerwise_hooks and scheduler_output.kv_connector_metadata is not None
-        if self.cudagraph_manager is not None and not layerwise:
-            key = self.cudagraph_manager.descriptor_for(num_tokens, uniform_decode=num_tokens == num_reqs)
+        manager = self.cudagraph_manager
+        if manager is not None and not layerwise:
+            key = None
+            if num_tokens > num_reqs and max(scheduler_output.num_scheduled_tokens.values()) <= self.decode_query_len:
+                key = manager.verify_descriptor_for(num_reqs)
+                # At least half its tokens real (a uniform step always is: graph sizes at most
+                # double); sparser drafts pad less in a mixed graph (its matmuls see fewer rows).
+                if key is not None and 2 * num_tokens < key.num_tokens:
+                    key = None
+            if key is None:
+                key = manager.descriptor_for(num_tokens, uniform_decode=num_tokens == num_reqs)
             if key is not None:
-                return BatchExecution(CUDAGraphMode.FULL, key, key.num_tokens, self._graph_rows(key.num_tokens))
+                return BatchExecution(CUDAGraphMode.FULL, key, key.num_tokens, self._graph_rows(key))
         return BatchExecution(CUDAGraphMode.NONE, None, num_tokens, num_reqs)
 
     def _cascade_mode(self, execution: BatchExecution) -> CascadeMode:
         """AUTO where a cascade can run: eagerly, or in a decode graph (captured in both variants);
-        a mixed graph replays plain attention."""
+        mixed and verify graphs replay plain attention."""
         if self.scheduler_config.disable_cascade_attn:
             return CascadeMode.OFF
         key = execution.batch_descriptor
-        if execution.cudagraph_mode == CUDAGraphMode.FULL and not (key is not None and key.uniform_decode):
+        decode_graph = key is not None and key.uniform_decode and key.decode_query_len == 1
+        if execution.cudagraph_mode == CUDAGraphMode.FULL and not decode_graph:
             return CascadeMode.OFF
         return CascadeMode.AUTO
 

@@ -149,13 +149,13 @@ def plain_reference(batch: CascadeBatch) -> torch.Tensor:
     return impl.forward(batch.query.float(), batch.key.float(), batch.value.float(), kv_cache, batch.metadata)
 
 
-def run_triton_cascade(batch: CascadeBatch, max_model_len: int = 512) -> torch.Tensor:
+def run_triton_cascade(batch: CascadeBatch, max_model_len: int = 512, decode_query_len: int = 1) -> torch.Tensor:
     """The Triton backend on the cascaded metadata, into a NaN-poisoned output."""
     _, num_heads, head_size = batch.query.shape
     num_kv_heads, block_size = batch.kv_cache.shape[-2], batch.kv_cache.shape[2]
     spec = FullAttentionSpec(block_size, num_kv_heads, head_size, batch.query.dtype)
     max_num_seqs = max(batch.query.shape[0], batch.metadata.num_reqs)
-    limits = AttentionLimits(num_heads, max_num_seqs, max_model_len, cascade=True)
+    limits = AttentionLimits(num_heads, max_num_seqs, max_model_len, cascade=True, decode_query_len=decode_query_len)
     metadata = TritonMetadataBuilder(spec, limits, DEVICE).build(batch.cascaded)
     impl = TritonAttentionImpl(num_heads, head_size, num_kv_heads, batch.scale)
     kv_cache = batch.kv_cache.clone()
@@ -256,6 +256,14 @@ def test_triton_cascade_equals_plain_path(shape: str) -> None:
     groups, loners, options = SHAPES[shape]
     batch = make_cascade_batch(groups, loners, **options)
     out = run_triton_cascade(batch)
+    n = batch.num_actual_tokens
+    torch.testing.assert_close(out[:n], plain_reference(batch)[:n], atol=1e-4, rtol=1e-4)
+
+
+def test_triton_cascade_verify_rows_in_decode_tiles() -> None:
+    """A verify step that cascades: its suffix pass runs decode tiles, split by request rows."""
+    batch = make_cascade_batch([Group(2, (4, 20)), Group(1, (0, 7))], (9,), query_len=3, num_pad_tokens=3)
+    out = run_triton_cascade(batch, max_model_len=4096, decode_query_len=3)
     n = batch.num_actual_tokens
     torch.testing.assert_close(out[:n], plain_reference(batch)[:n], atol=1e-4, rtol=1e-4)
 

@@ -120,21 +120,36 @@ def reference(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def triton_builder(
-    num_heads: int, num_kv_heads: int, head_size: int, max_num_seqs: int, max_model_len: int
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    decode_query_len: int = 1,
 ) -> TritonMetadataBuilder:
     """The Triton backend's metadata builder of one full-attention group (it plans split-K)."""
     spec = FullAttentionSpec(16, num_kv_heads, head_size, torch.float32)
-    return TritonMetadataBuilder(spec, AttentionLimits(num_heads, max_num_seqs, max_model_len), DEVICE)
+    limits = AttentionLimits(num_heads, max_num_seqs, max_model_len, decode_query_len=decode_query_len)
+    return TritonMetadataBuilder(spec, limits, DEVICE)
 
 
-def run_triton(batch: Batch, num_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def run_triton(batch: Batch, num_splits: int = 1, decode_query_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """KV write then attention into a NaN-poisoned output; returns (output, cache)."""
     kv_cache = batch.kv_cache.clone()
     reshape_and_cache(batch.key, batch.value, kv_cache, batch.metadata.slot_mapping)
     out = torch.full_like(batch.query, float("nan"))
     num_tokens, num_heads, head_size = batch.query.shape
     workspace = SplitKWorkspace.allocate(num_tokens * num_splits, num_heads, head_size, batch.query.device)
-    unified_attention(batch.query, kv_cache, batch.metadata, batch.scale, out, num_splits, workspace)
+    unified_attention(
+        batch.query,
+        kv_cache,
+        batch.metadata,
+        batch.scale,
+        out,
+        num_splits,
+        workspace,
+        decode_query_len=decode_query_len,
+    )
     return out, kv_cache
 
 
@@ -144,9 +159,9 @@ def max_row_relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (err / ref.flatten(1).norm(dim=1).clamp_min(1e-6)).max().item()
 
 
-def check(batch: Batch, num_splits: int = 1, rel_tol: float | None = None) -> None:
+def check(batch: Batch, num_splits: int = 1, rel_tol: float | None = None, decode_query_len: int = 1) -> None:
     """Real rows match the reference, padded rows stay poisoned, the caches agree everywhere."""
-    out, kv_cache = run_triton(batch, num_splits)
+    out, kv_cache = run_triton(batch, num_splits, decode_query_len)
     ref, ref_cache = reference(batch)
     n = batch.num_actual_tokens
     if rel_tol is None:
@@ -519,6 +534,7 @@ def check_dense(
     soft_cap: float | None = None,
     num_splits: int = 1,
     rel_tol: float | None = None,
+    decode_query_len: int = 1,
 ) -> torch.Tensor:
     """unified_attention into a NaN-poisoned output matches the dense reference on real rows and
     leaves padded rows alone; returns the real rows."""
@@ -535,6 +551,7 @@ def check_dense(
         workspace,
         sliding_window=window,
         logits_soft_cap=soft_cap,
+        decode_query_len=decode_query_len,
     )
     n = batch.num_actual_tokens
     ref = dense_reference(batch, window, soft_cap).float()
@@ -667,3 +684,113 @@ def test_gpu_sliding_window_decode_reads_only_the_window() -> None:
     one_window = time_decode(window, window)
     assert windowed < 0.5 * full, (windowed, full)
     assert windowed < 1.5 * one_window, (windowed, one_window)
+
+
+# ---------------------------------------------------------------- verify steps: decode tiles over q tokens
+#
+# A speculative verify step brings q = 1 + k tokens per request (the last token and k drafts).
+# With decode_query_len >= max_query_len the kernel runs decode tiles: one program per request
+# and KV head (and split), all q x group rows in one tile, causal inside the q tokens.
+
+VERIFY_CONTEXTS = [0, 5, 15, 16, 40]  # across block boundaries (block size 16)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("query_len", [1, 2, 3, 4, 5, 6])
+def test_verify_batch_decode_tiles(query_len: int, group: int) -> None:
+    batch = make_batch(
+        [query_len] * len(VERIFY_CONTEXTS),
+        VERIFY_CONTEXTS,
+        group=group,
+        num_kv_heads=1 if group > 2 else 2,
+        num_pad_tokens=query_len,
+        num_pad_reqs=2,
+    )
+    for num_splits in (1, 4):
+        check(batch, num_splits=num_splits, decode_query_len=query_len)
+
+
+def test_verify_batch_shorter_rows_and_a_larger_bound() -> None:
+    """Rows with fewer drafts than k (down to none) in a tile sized for the bound, not the longest row."""
+    batch = make_batch([5, 1, 3, 2, 5], [31, 0, 16, 47, 1], group=4, num_kv_heads=2, num_pad_tokens=4, num_pad_reqs=3)
+    for decode_query_len in (5, 8):
+        check(batch, num_splits=2, decode_query_len=decode_query_len)
+
+
+def test_verify_batch_half_precision(half_dtype: torch.dtype) -> None:
+    batch = make_batch([5, 5, 5], [33, 64, 20], group=4, dtype=half_dtype, head_size=128, num_pad_tokens=5)
+    check(batch, num_splits=4, rel_tol=2e-2, decode_query_len=5)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window", [3, 7, 16])
+def test_verify_batch_sliding_window(group: int, window: int) -> None:
+    """Verify rows over contexts past the window, the blocks before it null (NaN): the first
+    query's window start bounds the keys read, each later query sees its own window."""
+    contexts = [4 * window - 1, 4 * window, window - 1, window, 2]
+    batch = make_paged_batch(
+        [5] * len(contexts), contexts, window=window, group=group, num_kv_heads=2, num_pad_tokens=3, num_pad_reqs=1
+    )
+    for num_splits in (1, 4):
+        check_dense(batch, window, num_splits=num_splits, decode_query_len=5)
+
+
+def test_verify_batch_softcap() -> None:
+    batch = make_paged_batch([4, 4, 2], [40, 7, 19], window=10, query_scale=8.0, group=4, num_pad_tokens=2)
+    check_dense(batch, 10, soft_cap=5.0, num_splits=4, decode_query_len=4)
+
+
+def test_decode_query_len_must_be_positive() -> None:
+    batch = make_batch([1], [3])
+    with pytest.raises(ValueError, match="decode_query_len"):
+        run_triton(batch, decode_query_len=0)
+    with pytest.raises(ValueError, match="decode_query_len"):
+        AttentionLimits(4, 4, 512, decode_query_len=0)
+
+
+def test_backend_splits_verify_batches_and_sizes_its_workspace_for_them() -> None:
+    q = 5
+    builder = triton_builder(
+        num_heads=4, num_kv_heads=2, head_size=64, max_num_seqs=9, max_model_len=4096, decode_query_len=q
+    )
+    for rows in range(1, 10):
+        assert builder.workspace.fits(rows * q * builder.num_kv_splits(rows), 4, 64)
+    batch = make_batch([q, q, 3], [70, 3, 16], num_pad_tokens=q + 2, num_pad_reqs=1)
+    metadata = builder.build(batch.metadata)
+    assert metadata.num_kv_splits == builder.num_kv_splits(4) > 1, "a verify batch plans splits by its rows"
+    assert metadata.decode_query_len == q
+    kv_cache = batch.kv_cache.clone()
+    out = TritonAttentionImpl(4, 64, 2, batch.scale).forward(batch.query, batch.key, batch.value, kv_cache, metadata)
+    ref, ref_cache = reference(batch)
+    n = batch.num_actual_tokens
+    torch.testing.assert_close(out[:n], ref[:n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kv_cache, ref_cache, atol=0, rtol=0)
+    prefill = make_batch([q + 1, 1], [10, 4])
+    assert builder.build(prefill.metadata).num_kv_splits == 1, "a longer query runs prefill tiles, unsplit"
+
+
+# Llama-3.1-8B: 32 query heads, 8 KV heads of 128 (group 4), bf16; k = 4 drafts.
+LLAMA_8B_VERIFY_SHAPES = [(1, 600), (1, 32768), (8, 4096), (32, 700), (32, 8192), (64, 2048)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("query_len", [2, 5])
+def test_gpu_verify_sweep_llama_8b_shape(query_len: int) -> None:
+    num_kv_heads, group, head_size, max_model_len = 8, 4, 128, 32768
+    for batch_size, context in LLAMA_8B_VERIFY_SHAPES:
+        batch = make_batch(
+            [query_len] * batch_size,
+            [n - 1 for n in random_lengths(batch_size, context)],
+            num_kv_heads=num_kv_heads,
+            group=group,
+            head_size=head_size,
+            dtype=torch.bfloat16,
+            num_pad_tokens=query_len,
+            num_pad_reqs=1,
+        )
+        builder = triton_builder(
+            num_kv_heads * group, num_kv_heads, head_size, 256, max_model_len, decode_query_len=query_len
+        )
+        for num_splits in {1, builder.num_kv_splits(batch_size + 1)}:
+            check(batch, num_splits=num_splits, rel_tol=1e-2, decode_query_len=query_len)

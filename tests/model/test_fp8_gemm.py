@@ -223,7 +223,7 @@ def compile_for_hopper() -> None:
     attention |= {f"stride_{name}": i32 for name in (*strides, "block_table")}
     tiles = triton_unified_attention.DECODE_TILES
     constants = {"NUM_HEADS": 32, "GROUP": 4, "HEAD_SIZE": 128, "HEAD_SIZE_PADDED": 128, "BLOCK_SIZE": 16}
-    constants |= {"BLOCK_Q": max(tiles.min_rows, 4) // 4, "BLOCK_M": max(tiles.min_rows, 4), "TILE_N": tiles.tile_n}
+    constants |= {"BLOCK_Q": 1, "BLOCK_M": max(tiles.min_rows, 4), "TILE_N": tiles.tile_n}
     constants |= {"NUM_SPLITS": 4, "SLIDING_WINDOW": 0, "USE_SOFTCAP": False, "HAS_KEY_START": False}
-    constants |= {"WRITE_PARTIAL": True, "DOT_PRECISION": "tf32", "KV_FP8": True}
+    constants |= {"WRITE_PARTIAL": True, "DOT_PRECISION": "tf32", "KV_FP8": True, "TILE_PER_REQUEST": True}
     build(triton_unified_attention._paged_attention_kernel, attention, constants, num_warps=tiles.num_warps)

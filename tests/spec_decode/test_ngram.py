@@ -20,7 +20,7 @@ def reference(history: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     return []
 
 
-@pytest.mark.parametrize("min_n,max_n,k", [(1, 1, 1), (2, 5, 3), (1, 4, 5), (3, 3, 2)])
+@pytest.mark.parametrize("min_n,max_n,k", [(1, 1, 1), (2, 5, 3), (1, 4, 5), (3, 3, 2), (2, 8, 4)])
 def test_matches_the_reference_on_random_histories(min_n: int, max_n: int, k: int) -> None:
     rng = np.random.default_rng(min_n * 10 + max_n + k)
     lengths = rng.integers(1, 60, size=64)
@@ -31,6 +31,12 @@ def test_matches_the_reference_on_random_histories(min_n: int, max_n: int, k: in
         assert drafts[row, : counts[row]].tolist() == expected, row
         assert (drafts[row, counts[row] :] == -1).all()
     assert counts.any() and not counts.all()
+
+
+def test_histories_shorter_than_max_n() -> None:
+    tokens = np.array([[7, 7, 0, 0], [5, 6, 5, 0]], dtype=np.int32)
+    drafts, counts = propose_ngram(tokens, np.array([2, 3]), 1, 6, 2)
+    assert counts.tolist() == [1, 2] and drafts.tolist() == [[7, -1], [6, 5]]
 
 
 def test_no_match_drafts_nothing_and_empty_batches_work() -> None:

@@ -45,6 +45,13 @@ class AttentionLimits:
     # Every row reduces over the same key tiles in the same order whatever its batch (no split
     # chosen from the batch size, one tile shape for prefill chunks and decodes).
     batch_invariant: bool = False
+    # The most tokens a request brings to a decode step: 1, or 1 + k drafts with speculation
+    # (a verify step). Such batches take decode tiles and split-K; builders size for them.
+    decode_query_len: int = 1
+
+    def __post_init__(self) -> None:
+        if self.decode_query_len < 1:
+            raise ValueError(f"decode_query_len must be >= 1, got {self.decode_query_len}")
 
 
 class AttentionLayerImpl(abc.ABC):

@@ -1,10 +1,12 @@
 """The Triton paged-attention backend: KV write plus one unified attention launch per layer.
 
-Decode batches (max_query_len == 1) split long KV ranges across programs (flash decoding) when
-the batch alone cannot fill the GPU. The builder picks the split count from the padded batch
-size and the longest key range a query can read (max_model_len, or the window of a
-sliding-window group) only, and the partial results live in a workspace it allocates once, so
-a CUDA graph captured per batch size replays correctly at any sequence length.
+Decode batches (every request brings at most `AttentionLimits.decode_query_len` tokens: one,
+or a verify step's 1 + k with speculation) run decode tiles and split long KV ranges across
+programs (flash decoding) when the batch alone cannot fill the GPU. The builder picks the split
+count from the padded number of request rows and the longest key range a query can read
+(max_model_len, or the window of a sliding-window group) only, and the partial results live in
+a workspace it allocates once, so a CUDA graph captured per batch size replays correctly at any
+sequence length.
 
 A cascade step (metadata.cascade set, see `pagoda.attention.cascade`) runs the prefix pass, the
 suffix pass and their merge (`cascade_attention`); its prefix split count is planned the same
@@ -51,6 +53,8 @@ class TritonAttentionMetadata(AttentionMetadata):
 
     num_kv_splits: int = 1
     workspace: SplitKWorkspace | None = None
+    # Batches of at most this many tokens per request run decode tiles (see unified_attention).
+    decode_query_len: int = 1
     # A cascade step's prefix-pass splits and their workspace.
     num_prefix_splits: int = 1
     prefix_workspace: SplitKWorkspace | None = None
@@ -65,6 +69,7 @@ class TritonMetadataBuilder:
         self.num_kv_heads = spec.num_kv_heads
         self.num_heads = limits.num_heads
         self.max_num_seqs = limits.max_num_seqs
+        self.decode_query_len = limits.decode_query_len
         # The most keys one query reads: splits shorter than that are pointless.
         self.max_keys = limits.max_model_len
         if isinstance(spec, SlidingWindowSpec):
@@ -73,7 +78,10 @@ class TritonMetadataBuilder:
         self.batch_invariant = limits.batch_invariant
         if self.batch_invariant and limits.cascade:
             raise ValueError("batch-invariant attention runs without cascade (its split depends on the batch)")
-        max_rows_x_splits = max(rows * self.num_kv_splits(rows) for rows in range(1, limits.max_num_seqs + 1))
+        # A decode launch of R rows has at most R * decode_query_len tokens, each with its splits.
+        max_rows_x_splits = self.decode_query_len * max(
+            rows * self.num_kv_splits(rows) for rows in range(1, limits.max_num_seqs + 1)
+        )
         self.workspace = SplitKWorkspace.allocate(max_rows_x_splits, limits.num_heads, spec.head_size, device)
         # Cascade steps take at most max_num_seqs tokens (the runner's rule): the suffix parts fit
         # the workspace above, the prefix parts get their own.
@@ -87,8 +95,8 @@ class TritonMetadataBuilder:
             )
 
     def num_kv_splits(self, num_rows: int) -> int:
-        """Splits for a decode launch of `num_rows` (padded) rows; 1 beyond max_num_seqs, or
-        batch-invariant."""
+        """Splits for a decode launch of `num_rows` (padded) request rows; 1 beyond max_num_seqs,
+        or batch-invariant."""
         if num_rows > self.max_num_seqs or self.batch_invariant:
             return 1
         return choose_num_kv_splits(num_rows, self.num_kv_heads, self.max_keys, self.num_sms)
@@ -99,7 +107,8 @@ class TritonMetadataBuilder:
 
     def build(self, common: AttentionMetadata) -> TritonAttentionMetadata:
         num_input_tokens = common.slot_mapping.shape[0]
-        num_splits = self.num_kv_splits(num_input_tokens) if common.max_query_len == 1 else 1
+        decode = common.max_query_len <= self.decode_query_len
+        num_splits = self.num_kv_splits(common.num_reqs) if decode else 1
         fields = {name: getattr(common, name) for name in AttentionMetadata.__dataclass_fields__}
         if common.cascade is None:
             return TritonAttentionMetadata(
@@ -107,6 +116,7 @@ class TritonMetadataBuilder:
                 num_kv_splits=num_splits,
                 workspace=self.workspace if num_splits > 1 else None,
                 tiles=INVARIANT_TILES if self.batch_invariant else None,
+                decode_query_len=self.decode_query_len,
             )
         if self.prefix_workspace is None:
             raise ValueError("a cascade step needs a builder made with AttentionLimits(cascade=True)")
@@ -114,6 +124,7 @@ class TritonMetadataBuilder:
             **fields,
             num_kv_splits=num_splits,
             workspace=self.workspace,
+            decode_query_len=self.decode_query_len,
             num_prefix_splits=self.num_prefix_splits(num_input_tokens),
             prefix_workspace=self.prefix_workspace,
         )
@@ -149,6 +160,7 @@ class TritonAttentionImpl(AttentionLayerImpl):
                 sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap,
                 kv_scales=self.kv_scales,
+                decode_query_len=metadata.decode_query_len,
             )
             return out
         unified_attention(
@@ -163,6 +175,7 @@ class TritonAttentionImpl(AttentionLayerImpl):
             logits_soft_cap=self.logits_soft_cap,
             kv_scales=self.kv_scales,
             tiles=metadata.tiles,
+            decode_query_len=metadata.decode_query_len,
         )
         return out
 

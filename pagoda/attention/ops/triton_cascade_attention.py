@@ -233,11 +233,12 @@ def cascade_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    decode_query_len: int = 1,
 ) -> None:
     """out[t] = attention of query[t] [T, H, D], as `unified_attention` computes it, with the
     shared prefixes of `metadata.cascade` read once per group. Both workspaces need room for
-    T * their splits rows; padding rows of `out` are left untouched. kv_scales: a float8
-    cache's (k_scale, v_scale), as `unified_attention` takes them."""
+    T * their splits rows; padding rows of `out` are left untouched. kv_scales and
+    decode_query_len (the suffix pass's tiles) as `unified_attention` takes them."""
     cascade = metadata.cascade
     if cascade is None:
         raise ValueError("cascade_attention needs metadata.cascade")
@@ -262,6 +263,7 @@ def cascade_attention(
         key_start=cascade.prefix_lens,
         partials_only=True,
         kv_scales=kv_scales,
+        decode_query_len=decode_query_len,
     )
     use_softcap = bool(logits_soft_cap)
     qk_scale = 2.0 * LOG2_E * scale / logits_soft_cap if use_softcap else scale * LOG2_E

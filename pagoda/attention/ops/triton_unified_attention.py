@@ -5,6 +5,12 @@ query tokens times every query head of that KV head's group (GQA), BLOCK_M rows 
 KV tile is read once for the whole group. Scores are causal inside the request's query chunk,
 which sits after a cached prefix of any length, and an online softmax runs in float32.
 
+Decode tiles (every request brings at most `decode_query_len` tokens: plain decodes, or a
+speculative verify step's last token and its k drafts) hold a request's whole query, so each
+program is one request's only tile: q tokens x group heads rows (20 of 32 for Llama-3.1-8B at
+k = 4), K/V read once per KV head, and split-K applies as to one-token decodes. Prefill tiles
+hold 64 rows and are found by a search over the query starts.
+
 Sliding window (SLIDING_WINDOW = W > 0, per layer): the query at position p sees only keys k with
 p - W < k <= p, as Hugging Face's `kv_idx > q_idx - sliding_window`. A program starts its key
 loop at the window start of its first query, so a decode reads about W keys whatever the context
@@ -47,7 +53,8 @@ MAX_KV_SPLITS = 64
 @dataclass(frozen=True)
 class TileConfig:
     """Launch shape. min_rows: query rows per program (tl.dot needs 16), raised to the GQA group
-    size; tile_n: keys per inner-loop step, any power of two, independent of the KV block size."""
+    size (decode tiles: to the query length times the group size, a power of two); tile_n: keys
+    per inner-loop step, any power of two, independent of the KV block size."""
 
     min_rows: int
     tile_n: int
@@ -126,6 +133,7 @@ def _paged_attention_kernel(
     WRITE_PARTIAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    TILE_PER_REQUEST: tl.constexpr,
 ):
     """Scores are q.k * qk_scale, in the log2 domain. With USE_SOFTCAP, qk_scale is
     2 * log2(e) * scale / cap and softcap_log2 is cap * log2(e), so that the capped score
@@ -134,17 +142,27 @@ def _paged_attention_kernel(
     WRITE_PARTIAL: every split writes its normalized output and log-sum-exp to the partial
     buffers (split-K, or a cascade's caller merging them), none to out_ptr.
     KV_FP8: the cache holds float8 K/V, K's per-tensor scale folded into qk_scale by the caller
-    and V's (v_scale) into the probabilities each V tile is weighted by."""
+    and V's (v_scale) into the probabilities each V tile is weighted by.
+    TILE_PER_REQUEST (decode tiles): no request has more than BLOCK_Q query tokens, so program
+    tile_idx is request tile_idx's only tile (no search; a zero-length row returns at once)."""
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    req = _find_request(query_start_loc_ptr, tile_idx, num_reqs, BLOCK_Q)
-    query_start = tl.load(query_start_loc_ptr + req)
-    query_len = tl.load(query_start_loc_ptr + req + 1) - query_start
-    q_tile = tile_idx - (query_start // BLOCK_Q + req)
-    if q_tile * BLOCK_Q >= query_len:
-        return
+    if TILE_PER_REQUEST:
+        req = tile_idx
+        query_start = tl.load(query_start_loc_ptr + req)
+        query_len = tl.load(query_start_loc_ptr + req + 1) - query_start
+        q_tile = 0
+        if query_len == 0:
+            return
+    else:
+        req = _find_request(query_start_loc_ptr, tile_idx, num_reqs, BLOCK_Q)
+        query_start = tl.load(query_start_loc_ptr + req)
+        query_len = tl.load(query_start_loc_ptr + req + 1) - query_start
+        q_tile = tile_idx - (query_start // BLOCK_Q + req)
+        if q_tile * BLOCK_Q >= query_len:
+            return
     context_len = tl.load(seq_lens_ptr + req) - query_len
 
     # Row r is query token r // GROUP of the tile, query head r % GROUP of the group. Rows past
@@ -339,6 +357,7 @@ def unified_attention(
     partials_only: bool = False,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     tiles: TileConfig | None = None,
+    decode_query_len: int = 1,
 ) -> None:
     """out[t] = causal paged attention of query[t] [T, H, D] over kv_cache [2, blocks, block_size, Hkv, D].
 
@@ -352,8 +371,11 @@ def unified_attention(
     on. partials_only: leave every row's num_splits normalized parts and log-sum-exps (base 2)
     in the workspace, laid out [T, H, num_splits], for the caller to merge; out is untouched.
     A float8 kv_cache holds K / k_scale and V / v_scale, `kv_scales` = (k_scale, v_scale).
-    `tiles` fixes the launch shape (batch-invariant mode: INVARIANT_TILES); None picks
-    DECODE_TILES when max_query_len is 1, else PREFILL_TILES.
+    `tiles` fixes the launch shape (batch-invariant mode: INVARIANT_TILES, prefill-tile layout
+    for every batch). Without it, decode_query_len q: a batch whose requests bring at most q
+    query tokens each (max_query_len <= q: decodes, or a verify step's last token and drafts)
+    runs decode tiles, one program per request row, KV head and split; longer queries run
+    prefill tiles.
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[-2]
@@ -370,6 +392,8 @@ def unified_attention(
         raise ValueError(f"sliding_window must be >= 0 (0 = off), got {sliding_window}")
     if logits_soft_cap is not None and logits_soft_cap < 0:
         raise ValueError(f"logits_soft_cap must be >= 0 (0 = off), got {logits_soft_cap}")
+    if decode_query_len < 1:
+        raise ValueError(f"decode_query_len must be >= 1, got {decode_query_len}")
     if num_tokens == 0 or metadata.num_reqs == 0:
         return
     use_softcap = bool(logits_soft_cap)
@@ -379,17 +403,25 @@ def unified_attention(
     if kv_fp8:
         qk_scale *= kv_scales[0]
     group = num_heads // num_kv_heads
-    if tiles is None:
-        tiles = DECODE_TILES if metadata.max_query_len <= 1 else PREFILL_TILES
-    block_m = max(tiles.min_rows, triton.next_power_of_2(group))
-    block_q = block_m // group
+    decode = tiles is None and metadata.max_query_len <= decode_query_len
+    if decode:
+        # One tile per request: its every query token times every query head of the group.
+        tiles = DECODE_TILES
+        block_q = max(metadata.max_query_len, 1)
+        block_m = max(tiles.min_rows, triton.next_power_of_2(block_q * group))
+        num_tiles = metadata.num_reqs
+    else:
+        tiles = tiles or PREFILL_TILES
+        block_m = max(tiles.min_rows, triton.next_power_of_2(group))
+        block_q = block_m // group
+        num_tiles = num_tokens // block_q + metadata.num_reqs
     # Four-byte inputs get half as many keys per tile, so a tile takes the same shared memory.
     tile_n = tiles.tile_n if query.element_size() <= 2 else tiles.tile_n // 2
     head_size_padded = triton.next_power_of_2(head_size)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     partial_out = workspace.partial_out if write_partial else out
     partial_lse = workspace.partial_lse if write_partial else out
-    grid = (num_tokens // block_q + metadata.num_reqs, num_kv_heads, num_splits)
+    grid = (num_tiles, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         out,
         partial_out,
@@ -428,6 +460,7 @@ def unified_attention(
         WRITE_PARTIAL=write_partial,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         KV_FP8=kv_fp8,
+        TILE_PER_REQUEST=decode,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
