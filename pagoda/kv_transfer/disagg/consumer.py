@@ -26,7 +26,7 @@ from pagoda.kv_transfer.disagg import shm
 from pagoda.kv_transfer.disagg.channel import ACK, PULL, ChannelError, ControlClient
 from pagoda.kv_transfer.disagg.scheduler import BlockPull, PullMetadata
 from pagoda.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, KVTransferStats
-from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views
+from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views, copy_on_stream
 from pagoda.worker.kv_connector.base import KVConnector
 
 logger = logging.getLogger(__name__)
@@ -139,11 +139,4 @@ class ConsumerWorker(KVConnector):
     def _load(self, segment: shm.Segment, block_ids: tuple[int, ...], ready: torch.cuda.Event | None) -> None:
         host = segment.blocks(self.copier.block_shape)
         slots = list(range(len(block_ids)))
-        if self._stream is None:
-            self.copier.load(slots, block_ids, host)
-            return
-        with torch.cuda.stream(self._stream):
-            if ready is not None:
-                self._stream.wait_event(ready)
-            self.copier.load(slots, block_ids, host)
-        self._stream.synchronize()
+        copy_on_stream(self._stream, ready, lambda: self.copier.load(slots, block_ids, host))

@@ -28,7 +28,7 @@ from pagoda.kv_transfer.disagg import shm
 from pagoda.kv_transfer.disagg.channel import ACK, PULL, ChannelError, decode, encode
 from pagoda.kv_transfer.disagg.scheduler import ExportMetadata
 from pagoda.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, KVTransferStats
-from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views
+from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views, copy_on_stream
 from pagoda.worker.kv_connector.base import KVConnector
 
 logger = logging.getLogger(__name__)
@@ -208,14 +208,7 @@ class ProducerWorker(KVConnector):
     def _copy_out(self, block_ids: list[int], segment: shm.Segment, ready: torch.cuda.Event | None) -> None:
         host = segment.blocks(self.copier.block_shape)
         slots = list(range(len(block_ids)))
-        if self._stream is None:
-            self.copier.save(block_ids, slots, host)
-            return
-        with torch.cuda.stream(self._stream):
-            if ready is not None:
-                self._stream.wait_event(ready)
-            self.copier.save(block_ids, slots, host)
-        self._stream.synchronize()
+        copy_on_stream(self._stream, ready, lambda: self.copier.save(block_ids, slots, host))
 
     def _ack(self, message: dict[str, Any]) -> dict[str, Any]:
         request_id, _ = self._find(message, 0.0)

@@ -15,7 +15,7 @@ and one shared-memory segment per transfer, laid out the same way, passed as `ho
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +49,19 @@ def slot_runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
         if i == len(slots) or slots[i] != slots[i - 1] + 1:
             yield slots[start], start, i - start
             start = i
+
+
+def copy_on_stream(stream: torch.cuda.Stream | None, ready: torch.cuda.Event | None, copy: Callable[[], None]) -> None:
+    """Run `copy` on `stream` once `ready` has fired and wait for it; with no stream (a CPU
+    cache), run it here."""
+    if stream is None:
+        copy()
+        return
+    with torch.cuda.stream(stream):
+        if ready is not None:
+            stream.wait_event(ready)
+        copy()
+    stream.synchronize()
 
 
 def cache_byte_views(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> list[torch.Tensor]:
