@@ -611,6 +611,10 @@ class GPUModelRunner:
 
         # Phases 4-5: running and resumed requests (phase 3, swaps, comes with reordering).
         cached = scheduler_output.scheduled_cached_reqs
+        # The rows already in the batch and their new computed counts, written in one go.
+        computed_rows: list[int] = []
+        computed_counts: list[int] = []
+        row_of = batch.req_id_to_index
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
@@ -628,13 +632,15 @@ class GPUModelRunner:
                     group.extend(ids)
             if cached.new_token_ids and cached.new_token_ids[i]:
                 self._write_new_token_ids(state, cached.new_token_ids[i])
-            row = batch.get_req_index(req_id)
+            row = row_of.get(req_id)
             if row is None:
                 batch.add_request(state)
                 continue
-            batch.num_computed_tokens[row] = state.num_computed_tokens
+            computed_rows.append(row)
+            computed_counts.append(state.num_computed_tokens)
             if new_block_ids is not None:
                 batch.block_table.append_row(new_block_ids, row)
+        batch.num_computed_tokens[computed_rows] = computed_counts
 
         # Phase 6: draft tokens to verify, after each row's known tokens (not part of its history).
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
