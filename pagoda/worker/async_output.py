@@ -107,13 +107,16 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         telling the runner: safe from another thread (a worker process's output sender)."""
         sampled = self.host_token_ids()
         sample_rows = self.sample_rows.tolist()
-        if sampled.shape[1] == 1 and len(sample_rows) == len(self.req_ids):
-            # Every row sampled one token, in row order (a decode step).
-            sampled_token_ids = [[token_id] for token_id in sampled[:, 0].tolist()]
+        if sampled.shape[1] == 1:
+            new_tokens = [[token_id] for token_id in sampled[:, 0].tolist()]
+        else:  # a verify step: each row's accepted tokens, then -1
+            new_tokens = [[token_id for token_id in tokens if token_id >= 0] for tokens in sampled.tolist()]
+        if len(sample_rows) == len(self.req_ids):
+            sampled_token_ids = new_tokens  # every row sampled, in row order (a decode step)
         else:
             sampled_token_ids = [[] for _ in self.req_ids]
-            for row, tokens in zip(sample_rows, sampled.tolist(), strict=True):
-                sampled_token_ids[row] = [token_id for token_id in tokens if token_id >= 0]
+            for row, tokens in zip(sample_rows, new_tokens, strict=True):
+                sampled_token_ids[row] = tokens
         host = self._host[:-1] if self._has_drafts else self._host
         draft_token_ids = None
         if self._has_drafts:
