@@ -20,6 +20,8 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: list[int]) -> str:
         """Decode newly generated tokens; returns the text they complete."""
+        if len(token_ids) == 1:  # a decode step's one token
+            return self._stream.step(self._backend, token_ids[0]) or ""
         pieces = (self._stream.step(self._backend, token_id) for token_id in token_ids)
         return "".join(piece for piece in pieces if piece)
 

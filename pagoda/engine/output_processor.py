@@ -221,7 +221,8 @@ class OutputProcessor:
         if state.first_token_time is None and core_output.new_token_ids:
             state.first_token_time = now
         state.output_token_ids.extend(core_output.new_token_ids)
-        self._add_logprobs(state, core_output)
+        if state.logprobs is not None or core_output.new_prompt_logprobs is not None:
+            self._add_logprobs(state, core_output)
         finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
         if core_output.error is not None:  # the core refused it (e.g. its KV pool is too small for it)
             state.error = core_output.error
@@ -246,9 +247,13 @@ class OutputProcessor:
         params = state.params
         num_earlier = len(state.output_token_ids) - len(new_token_ids)
         num_deferred = min(max(params.min_tokens - num_earlier, 0), len(new_token_ids))
-        state.text += detokenizer.push(new_token_ids[:num_deferred])
-        searched = detokenizer.push(new_token_ids[num_deferred:])
+        if num_deferred:
+            state.text += detokenizer.push(new_token_ids[:num_deferred])
+            new_token_ids = new_token_ids[num_deferred:]
+        searched = detokenizer.push(new_token_ids)
         state.text += searched
+        if not params.stop:
+            return None
         stop = find_stop_string(state.text, len(searched), params.stop, params.include_stop_str_in_output)
         if stop is None:
             return None

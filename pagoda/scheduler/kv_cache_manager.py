@@ -108,9 +108,16 @@ class KVCacheManager:
             ),
             0,
         )
+        # Whether a request's blocks may change as its tokens advance (a group frees skipped ones).
+        self._frees_skipped_blocks = any(manager.frees_skipped_blocks for manager in self.managers)
         # Prefix-cache lookups, in tokens, counted once per admission of a request.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    @property
+    def has_checkpoints(self) -> bool:
+        """Whether a state group keeps checkpoints, at which `cap_at_checkpoint` ends steps."""
+        return bool(self._checkpoint_interval)
 
     def cap_at_checkpoint(self, num_computed_tokens: int, num_new_tokens: int) -> int:
         """`num_new_tokens`, cut so that the step ends at the next state checkpoint if it reaches
@@ -215,13 +222,16 @@ class KVCacheManager:
             [block.block_id for block in manager.allocate_new_blocks(req_id, num_tokens)] for manager in self.managers
         )
 
-    def _holds_tokens(self, req_id: str, num_tokens: int) -> bool:
+    def holds_tokens(self, request: Request, num_tokens: int) -> bool:
         """True when a running request's blocks already hold `num_tokens` tokens in every group
         and no group lets blocks go as tokens advance: allocating would change nothing (the
         common decode step, whose current block still has room)."""
-        return all(
-            not manager.frees_skipped_blocks and manager.holds_tokens(req_id, num_tokens) for manager in self.managers
-        )
+        return self._holds_tokens(request.request_id, num_tokens)
+
+    def _holds_tokens(self, req_id: str, num_tokens: int) -> bool:
+        if self._frees_skipped_blocks:
+            return False
+        return all(manager.holds_tokens(req_id, num_tokens) for manager in self.managers)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that `num_computed_tokens` computed tokens fill."""

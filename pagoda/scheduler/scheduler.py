@@ -212,9 +212,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
         num_scheduled: dict[str, int] = {}
-        scheduled: list[Request] = []
+        # (request, tokens scheduled for it), in scheduling order.
+        scheduled: list[tuple[Request, int]] = []
         new_reqs: list[NewRequestData] = []
-        cached_reqs = CachedRequestData()
         preempted_req_ids: set[str] = set()
         encoder = self.encoder_scheduler
         encoder.begin_step()
@@ -225,51 +225,76 @@ class Scheduler:
         if self.remote_kv is not None:
             self.waiting.extendleft(reversed(self.remote_kv.expire()))
 
+        # The running requests' entries (never resumed ones), gathered in local lists: this loop
+        # runs for every decoding request every step.
+        running_ids: list[str] = []
+        running_block_ids: list[BlockIds | None] = []
+        running_computed: list[int] = []
+        running_new_token_ids: list[list[int]] = []  # pipeline parallelism only
+        drafts_from_runner = self.drafts_from_runner
+        pipeline_parallel = self.pipeline_parallel
+        checkpoints = kv.has_checkpoints
+        running = self.running
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            if request.num_inflight_drafts or (self.drafts_from_runner and request.num_pending_tokens):
-                index += 1  # where its next token goes (or its drafts) depends on its output: wait for it
-                continue
-            num_new = kv.cap_at_checkpoint(
-                request.num_computed_tokens, min(self._num_tokens_to_compute(request), budget)
-            )
+        while index < len(running) and budget > 0:
+            request = running[index]
+            index += 1
+            if request.num_inflight_drafts or (drafts_from_runner and request.num_pending_tokens):
+                continue  # where its next token goes (or its drafts) depends on its output: wait for it
+            num_computed = request.num_computed_tokens
+            num_new = min(self._num_tokens_to_compute(request), budget)
+            if checkpoints:
+                num_new = kv.cap_at_checkpoint(num_computed, num_new)
             images: list[int] = []
             if request.mm_features:
                 num_new, images = encoder.inputs_for_chunk(
-                    request.request_id, request.mm_features, request.num_computed_tokens, num_new
+                    request.request_id, request.mm_features, num_computed, num_new
                 )
-            if num_new == 0 or (self.pipeline_parallel and request.num_pending_tokens):
-                index += 1
+            if num_new == 0 or (pipeline_parallel and request.num_pending_tokens):
                 continue
-            proposal = proposals.get(request.request_id)
-            request.spec_token_ids = []
+            req_id = request.request_id
+            proposal = proposals.get(req_id) if proposals else None
+            if request.spec_token_ids:
+                request.spec_token_ids = []
             drafts = self._capped_drafts(request, proposal, budget - num_new) if proposal else []
-            lookahead = self._draft_lookahead(request, request.num_computed_tokens + num_new + len(drafts))
-            new_block_ids = (
-                kv.allocate_slots(request, num_new + len(drafts) + lookahead) if drafts or lookahead else None
+            lookahead = (
+                self._draft_lookahead(request, num_computed + num_new + len(drafts)) if drafts_from_runner else 0
             )
+            if drafts or lookahead:
+                new_block_ids = kv.allocate_slots(request, num_new + len(drafts) + lookahead)
+            elif kv.holds_tokens(request, num_computed + num_new):
+                new_block_ids = ()  # the common decode step: its current block has room
+            else:
+                new_block_ids = None
             if new_block_ids is None:
                 drafts = []  # no room for the drafts: schedule the plain step (which may preempt)
                 new_block_ids = self._allocate_or_preempt(request, num_new, preempted_req_ids)
             if new_block_ids is None:
                 break
             if drafts:
-                spec_tokens[request.request_id] = drafts
+                spec_tokens[req_id] = drafts
                 request.num_inflight_drafts = len(drafts)
                 num_new += len(drafts)
-            appended: BlockIds | None = new_block_ids if any(new_block_ids) else None
-            _append_cached(cached_reqs, request, False, None, appended, request.num_computed_tokens)
-            if self.pipeline_parallel:
-                first_new = max(request.num_computed_tokens, request.num_prompt_tokens)
-                cached_reqs.new_token_ids.append(request.all_token_ids[first_new:])
-            num_scheduled[request.request_id] = num_new
-            scheduled.append(request)
+            running_ids.append(req_id)
+            running_block_ids.append(new_block_ids if any(new_block_ids) else None)
+            running_computed.append(num_computed)
+            if pipeline_parallel:
+                first_new = max(num_computed, request.num_prompt_tokens)
+                running_new_token_ids.append(request.all_token_ids[first_new:])
+            num_scheduled[req_id] = num_new
+            scheduled.append((request, num_new))
             budget -= num_new
-            index += 1
             if images:
-                encoder.commit(request.request_id, request.mm_features, images)
-                encoder_inputs[request.request_id] = images
+                encoder.commit(req_id, request.mm_features, images)
+                encoder_inputs[req_id] = images
+        cached_reqs = CachedRequestData(
+            req_ids=running_ids,
+            resumed_from_preemption=[False] * len(running_ids),
+            resumed_token_ids=[None] * len(running_ids),
+            new_block_ids=running_block_ids,
+            num_computed_tokens=running_computed,
+            new_token_ids=running_new_token_ids,
+        )
 
         # After a preemption the pool is full: admitting more would only thrash. Requests whose
         # grammar still compiles are passed over (they keep their place), the others go in order.
@@ -360,16 +385,16 @@ class Scheduler:
             if request.lora_request is not None:
                 running_loras.add(request.lora_request.lora_int_id)
             num_scheduled[request.request_id] = num_new
-            scheduled.append(request)
+            scheduled.append((request, num_new))
             budget -= num_new
             if images:
                 encoder.commit(request.request_id, request.mm_features, images)
                 encoder_inputs[request.request_id] = images
             filling.update(hashes[first_block : (num_hit_tokens + num_new) // kv.hash_block_size])
 
-        for request in scheduled:
-            request.num_computed_tokens += num_scheduled[request.request_id]
-            if request.num_computed_tokens >= request.num_tokens:
+        for request, num_new in scheduled:
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens >= len(request.all_token_ids):
                 request.num_pending_tokens += 1  # the step reaches the last known token: it samples
 
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
@@ -401,17 +426,24 @@ class Scheduler:
         # Looked up per request only when the step produced any (most steps have none).
         pooler_output = model_runner_output.pooler_output
         prompt_logprobs = model_runner_output.prompt_logprobs
+        draft_token_ids = model_runner_output.draft_token_ids
+        verified = bool(scheduler_output.scheduled_spec_decode_tokens)
+        caching = kv.enable_caching
+        requests = self.requests
+        req_id_to_index = model_runner_output.req_id_to_index
+        sampled_token_ids = model_runner_output.sampled_token_ids
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             if request is None:
                 continue  # ended while the step ran: its late token is dropped
-            index = model_runner_output.req_id_to_index.get(req_id)
-            sampled = model_runner_output.sampled_token_ids[index] if index is not None else []
-            num_rejected = self._take_back_rejected(request, scheduler_output, sampled)
-            # Capped by the current count: a request preempted and resumed since then holds
-            # fresh blocks, of which only those already scheduled may be cached.
-            num_valid = computed_before[req_id] + num_scheduled - num_rejected
-            kv.cache_blocks(request, min(num_valid, request.num_computed_tokens))
+            index = req_id_to_index.get(req_id)
+            sampled = sampled_token_ids[index] if index is not None else []
+            num_rejected = self._take_back_rejected(request, scheduler_output, sampled) if verified else 0
+            if caching:
+                # Capped by the current count: a request preempted and resumed since then holds
+                # fresh blocks, of which only those already scheduled may be cached.
+                num_valid = computed_before[req_id] + num_scheduled - num_rejected
+                kv.cache_blocks(request, min(num_valid, request.num_computed_tokens))
             pooled = pooler_output.get(req_id) if pooler_output else None
             if pooled is not None:
                 request.num_pending_tokens -= 1
@@ -422,30 +454,31 @@ class Scheduler:
                 continue  # a partial prefill chunk samples nothing
             request.num_pending_tokens -= 1
             status = None
-            new_token_ids = []
+            num_new = 0
             for token_id in sampled:
                 request.append_output_token(token_id)
-                new_token_ids.append(token_id)
+                num_new += 1
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     break
+            new_token_ids = sampled if num_new == len(sampled) else sampled[:num_new]
             if status is None:
-                kv.update_block_hashes(request)
-                if model_runner_output.draft_token_ids is not None and request.status == RequestStatus.RUNNING:
-                    request.spec_token_ids = model_runner_output.draft_token_ids[index]
+                if caching:
+                    kv.update_block_hashes(request)
+                if draft_token_ids is not None and request.status == RequestStatus.RUNNING:
+                    request.spec_token_ids = draft_token_ids[index]
             else:
                 stopped.append((request, status))
-            params = request.sampling_params
-            new_logprobs = None
-            if params.logprobs is not None:
-                new_logprobs = model_runner_output.token_logprobs(index, len(new_token_ids), params.logprobs)
+            num_logprobs = request.sampling_params.logprobs
             outputs.append(
                 EngineCoreOutput(
                     req_id=req_id,
                     new_token_ids=new_token_ids,
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,
-                    new_logprobs=new_logprobs,
+                    new_logprobs=model_runner_output.token_logprobs(index, num_new, num_logprobs)
+                    if num_logprobs is not None
+                    else None,
                     new_prompt_logprobs=prompt_logprobs.get(req_id) if prompt_logprobs else None,
                 )
             )
@@ -594,15 +627,16 @@ class Scheduler:
         (a pooling request needs the rest of its prompt, which may fill max_model_len)."""
         if request.pooling_params is not None:
             return request.num_prompt_tokens - request.num_computed_tokens
-        if self._length_capped(request, request.num_pending_tokens):
+        num_pending = request.num_pending_tokens
+        if self._length_capped(request, num_pending):
             return 0
-        return request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+        return len(request.all_token_ids) + num_pending - request.num_computed_tokens
 
     def _length_capped(self, request: Request, num_extra_tokens: int = 0) -> bool:
-        num_output = request.num_output_tokens + num_extra_tokens
-        return (
-            request.max_tokens is not None and num_output >= request.max_tokens
-        ) or request.num_tokens + num_extra_tokens >= self.max_model_len
+        max_tokens = request.max_tokens
+        return (max_tokens is not None and len(request.output_token_ids) + num_extra_tokens >= max_tokens) or len(
+            request.all_token_ids
+        ) + num_extra_tokens >= self.max_model_len
 
     def _unblock_waiting(self) -> None:
         """A waiting request did not fit. With nothing running, nothing would ever free blocks
@@ -639,7 +673,7 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        if len(request.output_token_ids) >= params.min_tokens:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED

@@ -47,7 +47,6 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         # The device ids ([rows, n], -1 past a row's last), kept until resolved so the next step
         # can read them without the host.
         self.sampled_token_ids: torch.Tensor | None = sampled_token_ids
-        self.index_of_req = {req_ids[row]: i for i, row in enumerate(sample_rows.tolist())}
         self._prompt_logprobs = prompt_logprobs
         self._on_ready = on_ready
         self._output: ModelRunnerOutput | None = None
@@ -73,6 +72,17 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             self._copy_done = torch.cuda.Event()
             self._copy_done.record(copy_stream)
 
+    def sampled_index_of_rows(self, req_ids: list[str]) -> np.ndarray:
+        """Per request of `req_ids` (a later step's batch), its index among this step's sampled
+        rows, -1 where it did not sample here: vectorized while the batch kept its rows."""
+        num_rows = len(self.req_ids)
+        if req_ids[:num_rows] == self.req_ids:
+            index_of_row = np.full(len(req_ids), -1, dtype=np.int64)
+            index_of_row[self.sample_rows] = np.arange(len(self.sample_rows))
+            return index_of_row
+        index_of_req = {self.req_ids[row]: i for i, row in enumerate(self.sample_rows.tolist())}
+        return np.fromiter((index_of_req.get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
+
     @property
     def resolved(self) -> bool:
         return self._output is not None
@@ -96,13 +106,17 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         """Wait for the copy and build the step's output from the host copies alone, without
         telling the runner: safe from another thread (a worker process's output sender)."""
         sampled = self.host_token_ids()
-        sampled_token_ids: list[list[int]] = [[] for _ in self.req_ids]
+        sample_rows = self.sample_rows.tolist()
         if sampled.shape[1] == 1:
-            for row, token_id in zip(self.sample_rows.tolist(), sampled[:, 0].tolist(), strict=True):
-                sampled_token_ids[row] = [token_id]
+            new_tokens = [[token_id] for token_id in sampled[:, 0].tolist()]
+        else:  # a verify step: each row's accepted tokens, then -1
+            new_tokens = [[token_id for token_id in tokens if token_id >= 0] for tokens in sampled.tolist()]
+        if len(sample_rows) == len(self.req_ids):
+            sampled_token_ids = new_tokens  # every row sampled, in row order (a decode step)
         else:
-            for row, tokens in zip(self.sample_rows.tolist(), sampled, strict=True):
-                sampled_token_ids[row] = tokens[tokens >= 0].tolist()
+            sampled_token_ids = [[] for _ in self.req_ids]
+            for row, tokens in zip(sample_rows, new_tokens, strict=True):
+                sampled_token_ids[row] = tokens
         host = self._host[:-1] if self._has_drafts else self._host
         draft_token_ids = None
         if self._has_drafts:
@@ -117,7 +131,7 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
                 logprobs_start[row] = start
         return ModelRunnerOutput(
             req_ids=self.req_ids,
-            req_id_to_index={req_id: row for row, req_id in enumerate(self.req_ids)},
+            req_id_to_index=dict(zip(self.req_ids, range(len(self.req_ids)), strict=True)),
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             logprobs_start=logprobs_start,

@@ -611,6 +611,10 @@ class GPUModelRunner:
 
         # Phases 4-5: running and resumed requests (phase 3, swaps, comes with reordering).
         cached = scheduler_output.scheduled_cached_reqs
+        # The rows already in the batch and their new computed counts, written in one go.
+        computed_rows: list[int] = []
+        computed_counts: list[int] = []
+        row_of = batch.req_id_to_index
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
@@ -628,13 +632,15 @@ class GPUModelRunner:
                     group.extend(ids)
             if cached.new_token_ids and cached.new_token_ids[i]:
                 self._write_new_token_ids(state, cached.new_token_ids[i])
-            row = batch.get_req_index(req_id)
+            row = row_of.get(req_id)
             if row is None:
                 batch.add_request(state)
                 continue
-            batch.num_computed_tokens[row] = state.num_computed_tokens
+            computed_rows.append(row)
+            computed_counts.append(state.num_computed_tokens)
             if new_block_ids is not None:
                 batch.block_table.append_row(new_block_ids, row)
+        batch.num_computed_tokens[computed_rows] = computed_counts
 
         # Phase 6: draft tokens to verify, after each row's known tokens (not part of its history).
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -787,9 +793,8 @@ class GPUModelRunner:
         if pending is None or pending.resolved:
             return
         req_ids = self.input_batch.req_ids
-        index_of_req = pending.index_of_req
         # Each row's index among the pending step's sampled rows (-1: it did not sample then).
-        indices = np.fromiter((index_of_req.get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        indices = pending.sampled_index_of_rows(req_ids)
         rows = np.flatnonzero(indices >= 0)
         indices = indices[rows]
         # A verify step's output is waited for before its request runs again (see Scheduler).
@@ -1142,39 +1147,31 @@ class GPUModelRunner:
         """Put a resolved step's ids where its placeholders are, wherever its requests now live;
         append a verify row's tokens."""
         batch = self.input_batch
-        # Rows still in the batch, and where their placeholders are: written in one go at the end.
-        batch_rows: list[int] = []
-        batch_positions: list[int] = []
-        batch_token_ids: list[int] = []
-        for i, (row, position, num_drafts, token_id) in enumerate(
-            zip(
-                output.sample_rows.tolist(),
-                output.positions.tolist(),
-                output.num_drafts.tolist(),
-                sampled[:, 0].tolist(),
-                strict=True,
-            )
-        ):
-            req_id = output.req_ids[row]
-            state = self.requests.get(req_id)
-            if state is None:
-                continue  # finished since
-            index = position - len(state.prompt_token_ids)
-            if num_drafts:
+        requests = self.requests
+        req_ids = output.req_ids
+        plain = output.num_drafts == 0
+        for i in np.flatnonzero(~plain).tolist():
+            state = requests.get(req_ids[output.sample_rows[i]])
+            if state is not None:  # else finished since
+                position = int(output.positions[i])
                 tokens = sampled[i]
-                self._append_verified(state, index, position, tokens[tokens >= 0].tolist())
-                continue
-            if index < len(state.output_token_ids):
-                state.output_token_ids[index] = token_id
-            now = batch.get_req_index(req_id)
-            if now is not None:
-                batch_rows.append(now)
-                batch_positions.append(position)
-                batch_token_ids.append(token_id)
-        rows = np.array(batch_rows, dtype=np.int64)
-        positions = np.array(batch_positions, dtype=np.int64)
-        placed = positions < batch.num_tokens[rows]
-        batch.token_ids_cpu[rows[placed], positions[placed]] = np.array(batch_token_ids, dtype=np.int64)[placed]
+                self._append_verified(
+                    state, position - len(state.prompt_token_ids), position, tokens[tokens >= 0].tolist()
+                )
+        rows, positions, token_ids = output.sample_rows[plain], output.positions[plain], sampled[plain, 0]
+        for row, position, token_id in zip(rows.tolist(), positions.tolist(), token_ids.tolist(), strict=True):
+            state = requests.get(req_ids[row])
+            if state is not None:  # else finished since
+                index = position - len(state.prompt_token_ids)
+                if index < len(state.output_token_ids):
+                    state.output_token_ids[index] = token_id
+        # Where the rows' requests live now (-1: out of the batch): the same rows while the batch
+        # keeps its order, the common case.
+        if batch.req_ids != req_ids:
+            where = batch.req_id_to_index
+            rows = np.fromiter((where.get(req_ids[row], -1) for row in rows.tolist()), dtype=np.int64, count=len(rows))
+        placed = (rows >= 0) & (positions < batch.num_tokens[rows])
+        batch.token_ids_cpu[rows[placed], positions[placed]] = token_ids[placed]
 
     def _append_verified(self, state: CachedRequestState, index: int, position: int, token_ids: list[int]) -> None:
         """A verify step's tokens join the request's history (and its batch row, if it has one)."""

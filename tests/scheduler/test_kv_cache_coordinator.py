@@ -616,3 +616,11 @@ def test_random_workloads_read_only_their_own_kv_in_every_group(layout: str, see
         check_ownership(scheduler.kv_cache_manager)
     scheduler.check_idle()
     assert not runner.requests
+
+
+def test_holds_tokens_is_false_while_a_group_frees_blocks_as_tokens_advance(make_request) -> None:
+    """A sliding-window group may let blocks go at any step: the decode shortcut never applies."""
+    manager, _, _ = hybrid_manager(32)
+    request = make_request("a", list(range(6)))
+    admit(manager, request)
+    assert not manager.holds_tokens(request, 7)

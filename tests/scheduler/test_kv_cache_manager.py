@@ -386,3 +386,16 @@ def test_decode_fast_path_still_refuses_when_the_pool_is_full(make_request) -> N
     before = snapshot(manager)
     assert manager.allocate_slots(request, 1) is None  # position 8 needs a third block
     assert snapshot(manager) == before
+
+
+def test_holds_tokens_says_when_allocating_would_change_nothing(make_request) -> None:
+    """The scheduler's decode shortcut: True exactly while the held blocks have room."""
+    manager = make_manager()
+    request = make_request("a", list(range(6)))
+    assert not manager.holds_tokens(request, 1)  # not admitted: it holds nothing
+    admit(manager, request)  # 6 tokens in 2 blocks of 4
+    assert manager.holds_tokens(request, 8)
+    assert not manager.holds_tokens(request, 9)
+    assert manager.allocate_slots(request, 2) == ([],)  # what holds_tokens(8) stood for
+    assert manager.allocate_slots(request, 3) is not None
+    assert manager.holds_tokens(request, 12)

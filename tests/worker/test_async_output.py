@@ -1,0 +1,67 @@
+"""`AsyncGPUModelRunnerOutput`'s vectorized host paths equal their per-request definitions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
+
+
+def make_output(req_ids: list[str], sample_rows: list[int], sampled: list[list[int]]) -> AsyncGPUModelRunnerOutput:
+    rows = np.array(sample_rows, dtype=np.int64)
+    return AsyncGPUModelRunnerOutput(
+        req_ids=req_ids,
+        sample_rows=rows,
+        positions=np.zeros(len(rows), dtype=np.int64),
+        num_drafts=np.zeros(len(rows), dtype=np.int64),
+        logits_start=np.arange(len(rows), dtype=np.int64),
+        sampled_token_ids=torch.tensor(sampled, dtype=torch.int64).reshape(
+            len(rows), len(sampled[0]) if sampled else 1
+        ),
+        logprobs=None,
+        prompt_logprobs={},
+        copy_stream=None,
+        on_ready=lambda output, ids: None,
+    )
+
+
+def index_by_dict(output: AsyncGPUModelRunnerOutput, req_ids: list[str]) -> list[int]:
+    """The definition: each request's index among the step's sampled rows, -1 if it sampled none."""
+    index_of_req = {output.req_ids[row]: i for i, row in enumerate(output.sample_rows.tolist())}
+    return [index_of_req.get(req_id, -1) for req_id in req_ids]
+
+
+@pytest.mark.parametrize(
+    "later_batch",
+    [
+        ["a", "b", "c", "d"],  # the same rows (steady decode)
+        ["a", "b", "c", "d", "e", "f"],  # requests joined at the end
+        ["d", "a", "c"],  # rows left and moved
+        ["a", "b"],  # rows left at the end
+        [],
+    ],
+)
+@pytest.mark.parametrize("sample_rows", [[0, 1, 2, 3], [1, 3], []])
+def test_sampled_index_of_rows_matches_lookup(later_batch: list[str], sample_rows: list[int]) -> None:
+    output = make_output(["a", "b", "c", "d"], sample_rows, [[7]] * len(sample_rows))
+    assert output.sampled_index_of_rows(later_batch).tolist() == index_by_dict(output, later_batch)
+
+
+@pytest.mark.parametrize(
+    ("sample_rows", "sampled"),
+    [
+        ([0, 1, 2], [[5], [6], [7]]),  # a decode step: every row, one token
+        ([0, 2], [[5], [7]]),  # a prefill chunk in row 1 samples nothing
+        ([0, 1, 2], [[5, 8, -1], [6, -1, -1], [7, 9, 4]]),  # a verify step
+    ],
+)
+def test_host_output_token_lists(sample_rows: list[int], sampled: list[list[int]]) -> None:
+    req_ids = ["a", "b", "c"]
+    output = make_output(req_ids, sample_rows, sampled).host_output()
+    expected: list[list[int]] = [[] for _ in req_ids]
+    for row, tokens in zip(sample_rows, sampled, strict=True):
+        expected[row] = [token for token in tokens if token >= 0]
+    assert output.sampled_token_ids == expected
+    assert output.req_id_to_index == {"a": 0, "b": 1, "c": 2}
