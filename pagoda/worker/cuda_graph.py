@@ -12,9 +12,10 @@ With speculative decoding a third kind, verify graphs, serves steps whose reques
 most q = 1 + k tokens each (a verify step: the last token and up to k drafts; vLLM's
 uniform_decode_query_len): one graph per padded request count R of the decode sizes, R * q
 tokens, R rows, so its attention runs decode tiles (a request's q tokens and its query heads in
-one program per KV head) with split-K instead of a mixed graph's prefill tiles. The LM head and the sampler stay outside: which rows produce logits,
-and which sampling passes run, change from step to step, and their cost is one matmul plus a
-few kernels.
+one program per KV head) with split-K instead of a mixed graph's prefill tiles.
+
+The LM head and the sampler stay outside: which rows produce logits, and which sampling passes
+run, change from step to step, and their cost is one matmul plus a few kernels.
 
 With cascade attention on, every decode size is captured twice: plain, and with the cascade's
 launches (prefix pass, suffix pass, merge), whose groups live in device buffers, so one graph
@@ -117,20 +118,15 @@ class CudaGraphManager:
 
     def descriptor_for(self, num_tokens: int, uniform_decode: bool) -> BatchDescriptor | None:
         """The graph of the smallest captured size that holds the batch, or None (run eagerly)."""
-        sizes = self.decode_sizes if uniform_decode else self.mixed_sizes
-        for size in sizes:
-            if size >= num_tokens:
-                return BatchDescriptor(size, uniform_decode)
-        return None
+        size = _smallest_at_least(self.decode_sizes if uniform_decode else self.mixed_sizes, num_tokens)
+        return None if size is None else BatchDescriptor(size, uniform_decode)
 
     def verify_descriptor_for(self, num_reqs: int) -> BatchDescriptor | None:
         """The verify graph of the fewest rows that holds `num_reqs` requests of at most
         `verify_query_len` tokens each, or None (none captured that large)."""
+        rows = _smallest_at_least(self.verify_sizes, num_reqs)
         q = self.verify_query_len
-        for rows in self.verify_sizes:
-            if rows >= num_reqs:
-                return BatchDescriptor(rows * q, True, decode_query_len=q)
-        return None
+        return None if rows is None else BatchDescriptor(rows * q, True, decode_query_len=q)
 
     def capture(self, key: BatchDescriptor, forward: Callable[[], torch.Tensor]) -> None:
         """Warm up once (Triton compiles, allocator settles), then record `forward`."""
@@ -147,3 +143,8 @@ class CudaGraphManager:
         """Re-run the graph of `key` on whatever its static input buffers now hold."""
         self.graphs[key].replay()
         return self.outputs[key]
+
+
+def _smallest_at_least(sizes: list[int], count: int) -> int | None:
+    """The first of the ascending `sizes` that holds `count`, or None."""
+    return next((size for size in sizes if size >= count), None)
