@@ -1,12 +1,15 @@
 """Where a nanobench engine step spends its time on the GPU machine.
 
 Runs the nanobench workload (or, with `--batch-size N`, N requests of 32 prompt tokens
-decoding at once) step by step through `LLMEngine`, and over a window of steps in steady
+decoding at once; with `--speculative-config JSON [--forced-acceptance ALPHA]`, speculating as in
+`pagoda bench latency`) step by step through `LLMEngine`, and over a window of steps in steady
 decode records a torch profiler trace: GPU kernel time by kernel, host time by
 phase, and the step's wall time, so the gap between GPU busy time and wall time (host
 overhead the GPU waits for) shows. Usage, from the repo root:
 
     python benchmarks/profile_steps.py --model qwen3-0.6b --load-format dummy [--trace out.json.gz]
+    python benchmarks/profile_steps.py --model llama-3.1-8b --batch-size 1 \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --forced-acceptance 0.8
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pagoda import LLM, SamplingParams
+from pagoda.benchmarks.speculative import speculative_config
 from pagoda.benchmarks.throughput import nanobench_workload
 
 
@@ -35,9 +39,13 @@ def main() -> None:
     parser.add_argument("--trace", default=None)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=0, help="0: nanobench")
+    parser.add_argument("--speculative-config", default=None, help="JSON, as `pagoda bench latency` takes it")
+    parser.add_argument("--forced-acceptance", type=float, default=None)
     args = parser.parse_args()
 
-    llm = LLM(model=args.model, load_format=args.load_format, dtype="bfloat16")
+    llm = LLM(
+        model=args.model, load_format=args.load_format, dtype="bfloat16", speculative_config=speculative_config(args)
+    )
     engine = llm.llm_engine
     workload = nanobench_workload(args.num_prompts)
     prompts, sampling_params = workload.prompts, workload.sampling_params()
