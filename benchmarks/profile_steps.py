@@ -41,10 +41,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=0, help="0: nanobench")
     parser.add_argument("--speculative-config", default=None, help="JSON, as `pagoda bench latency` takes it")
     parser.add_argument("--forced-acceptance", type=float, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--disable-prefix-caching", action="store_true", help="as `pagoda bench latency` runs")
     args = parser.parse_args()
 
     llm = LLM(
-        model=args.model, load_format=args.load_format, dtype="bfloat16", speculative_config=speculative_config(args)
+        model=args.model,
+        load_format=args.load_format,
+        dtype="bfloat16",
+        speculative_config=speculative_config(args),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.disable_prefix_caching,
     )
     engine = llm.llm_engine
     workload = nanobench_workload(args.num_prompts)
