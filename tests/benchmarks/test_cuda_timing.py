@@ -10,6 +10,7 @@ from pagoda.benchmarks.cuda_timing import graph_time_us
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.serial,  # times kernels: alone on the device
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 

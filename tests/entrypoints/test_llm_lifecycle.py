@@ -78,6 +78,7 @@ def test_del_stops_the_worker_processes(tiny_llama3: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.serial
 def test_del_returns_the_gpu_memory_to_a_second_engine(tiny_llama3: str) -> None:
     cuda = {"device": "cuda", "max_model_len": 64, "gpu_memory_utilization": 0.3}
     baseline = torch.cuda.memory_allocated()

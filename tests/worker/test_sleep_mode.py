@@ -226,6 +226,7 @@ def cuda_kwargs() -> dict:
 
 
 @pytest.mark.gpu
+@pytest.mark.serial
 @pytest.mark.parametrize("level", [1, 2])
 def test_gpu_sleep_wake_and_update_weights_through_cuda_graphs(checkpoint, second_checkpoint, level: int) -> None:
     kwargs = cuda_kwargs()
@@ -243,6 +244,7 @@ def test_gpu_sleep_wake_and_update_weights_through_cuda_graphs(checkpoint, secon
 
 
 @pytest.mark.gpu
+@pytest.mark.serial
 def test_gpu_sleep_hands_memory_back_at_a_real_shape() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -294,7 +294,12 @@ def test_vmm_region_out_of_memory_names_the_call_and_can_be_retried() -> None:
 
 # ---- real CUDA virtual memory -----------------------------------------------------------
 
-gpu = pytest.mark.gpu
+
+def gpu(test):
+    """CUDA virtual memory: reads the device's free memory, so not beside other GPU test processes."""
+    return pytest.mark.serial(pytest.mark.gpu(test))
+
+
 SLACK = 16 * MiB  # allowed drift in the device's free-memory figure
 
 
