@@ -5,11 +5,17 @@ decoding at once; with `--speculative-config JSON [--forced-acceptance ALPHA]`, 
 `pagoda bench latency`) step by step through `LLMEngine`, and over a window of steps in steady
 decode records a torch profiler trace: GPU kernel time by kernel, host time by
 phase, and the step's wall time, so the gap between GPU busy time and wall time (host
-overhead the GPU waits for) shows. Usage, from the repo root:
+overhead the GPU waits for) shows. With `--step-times RUNS`, instead: RUNS single-request
+generations of 128 tokens one after another, every engine step's wall time printed, which
+shows the stalls a per-token mean hides (a collector pass, a first-time compile). Usage, from
+the repo root:
 
     python benchmarks/profile_steps.py --model qwen3-0.6b --load-format dummy [--trace out.json.gz]
     python benchmarks/profile_steps.py --model llama-3.1-8b --batch-size 1 \
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --forced-acceptance 0.8
+    python benchmarks/profile_steps.py --model llama-3.1-8b --step-times 4 --disable-prefix-caching \
+        --max-num-batched-tokens 512 --speculative-config '{"method": "eagle3", "model": "eagle3-llama-3.1-8b",
+        "num_speculative_tokens": 4}' --forced-acceptance 0.8
 """
 
 from __future__ import annotations
@@ -30,6 +36,20 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def print_step_times(engine, runs: int, prompt_len: int = 32, output_len: int = 128) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for run in range(runs):
+        engine.add_request(list(range(100 + run, 100 + run + prompt_len)), params, request_id=f"single-{run}")
+        step_ms = []
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            step_start = time.perf_counter()
+            engine.step()
+            step_ms.append(1e3 * (time.perf_counter() - step_start))
+        total = 1e3 * (time.perf_counter() - start)
+        print(f"run {run}: {total:.1f} ms, {len(step_ms)} steps, ms each: " + " ".join(f"{ms:.1f}" for ms in step_ms))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="qwen3-0.6b")
@@ -43,6 +63,7 @@ def main() -> None:
     parser.add_argument("--forced-acceptance", type=float, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--disable-prefix-caching", action="store_true", help="as `pagoda bench latency` runs")
+    parser.add_argument("--step-times", type=int, default=0, help="RUNS: time each step of single requests instead")
     args = parser.parse_args()
 
     llm = LLM(
@@ -54,6 +75,9 @@ def main() -> None:
         enable_prefix_caching=not args.disable_prefix_caching,
     )
     engine = llm.llm_engine
+    if args.step_times:
+        print_step_times(engine, args.step_times)
+        return
     workload = nanobench_workload(args.num_prompts)
     prompts, sampling_params = workload.prompts, workload.sampling_params()
     if args.batch_size:
