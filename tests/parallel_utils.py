@@ -8,6 +8,8 @@ import random
 import threading
 from collections.abc import Callable
 
+from server_utils import wait_until
+
 from pagoda import LLM, SamplingParams
 
 ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "num_gpu_blocks": 64}
@@ -42,6 +44,11 @@ class GenerationUntilFailure:
         except BaseException as error:
             self.error = error
         self.finished.set()
+
+    def wait_in_flight(self, llm: LLM) -> None:
+        """Until `llm` holds the generation's requests: a kill from then on lands while they run
+        (an event, not a fixed sleep that a loaded machine may not fill)."""
+        assert wait_until(llm.llm_engine.has_unfinished_requests, FAILURE_DEADLINE_S, interval_s=0.01)
 
     def wait(self, timeout_s: float) -> BaseException:
         """What generation raised; fails the test unless it raised within `timeout_s`."""

@@ -1,4 +1,6 @@
-"""Disaggregated prefill (#17) with real servers on the CPU: a producer, a consumer and `pagoda router`.
+"""Disaggregated prefill (#17) with real servers on the CPU: a producer, a consumer and `pagoda router`,
+both servers on the tiny random model with SmolLM2's tokenizer (what is tested is the transfer:
+the blocks pulled and the same tokens, not the model's answers).
 
 The consumer asked directly, without kv_transfer_params and with a cache salt of its own, is
 the one-server reference (it then computes the whole prompt). Through the router, the consumer pulls the producer's blocks (its
@@ -58,12 +60,13 @@ class Router:
 
 
 @pytest.fixture(scope="module")
-def servers():
-    producer = RemoteServer(*COMMON, "--kv-role", "producer", "--kv-hold-timeout-s", str(HOLD_TIMEOUT_S))
+def servers(tiny_model_args: tuple[str, ...]):
+    common = (*tiny_model_args, *COMMON)
+    producer = RemoteServer(*common, "--kv-role", "producer", "--kv-hold-timeout-s", str(HOLD_TIMEOUT_S))
     consumer = None
     router = None
     try:
-        consumer = RemoteServer(*COMMON, "--kv-role", "consumer", "--kv-load-timeout-s", str(LOAD_TIMEOUT_S))
+        consumer = RemoteServer(*common, "--kv-role", "consumer", "--kv-load-timeout-s", str(LOAD_TIMEOUT_S))
         router = Router(producer.url, consumer.url)
         yield producer, consumer, router
     finally:

@@ -153,7 +153,7 @@ def test_killed_worker_fails_the_engine_quickly_and_leaves_no_process(start_llm,
     executor = llm.llm_engine.engine_core.executor
     pids = [process.pid for process in executor.processes]
     generation = GenerationUntilFailure(lambda: greedy(llm, make_prompts(4) * 50, max_tokens=100))
-    time.sleep(1.0)
+    generation.wait_in_flight(llm)
     os.kill(pids[1], signal.SIGKILL)
     error = generation.wait(FAILURE_DEADLINE_S)
     assert isinstance(error, EngineDeadError), error

@@ -109,7 +109,7 @@ def test_killed_rank_fails_the_engine_within_10_s(start_llm, tiny) -> None:
     llm = start_llm(path, dtype="float32", tensor_parallel_size=2, **ENGINE)
     pids = [process.pid for process in llm.llm_engine.engine_core.executor.processes]
     generation = GenerationUntilFailure(lambda: run(llm, prompts() * 30, 200))
-    time.sleep(2.0)
+    generation.wait_in_flight(llm)
     os.kill(pids[1], signal.SIGKILL)
     killed_at = time.monotonic()
     error = generation.wait(FAILURE_DEADLINE_S)

@@ -73,7 +73,7 @@ def test_killed_actor_fails_the_engine_quickly(start_llm, checkpoint) -> None:
     executor = llm.llm_engine.engine_core.executor
     assert executor.output_rank == 0
     generation = GenerationUntilFailure(lambda: greedy(llm, make_prompts(4) * 50, max_tokens=100))
-    time.sleep(1.0)
+    generation.wait_in_flight(llm)
     ray.kill(executor.actors[1])
     error = generation.wait(FAILURE_DEADLINE_S)
     assert isinstance(error, EngineDeadError), error
