@@ -24,6 +24,13 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def release_startup_objects() -> None:
+    """Hand the frozen objects back to the collector, before an engine in a process that goes
+    on shuts down: its model and caches are among them, and only then can a collection free
+    the device memory they hold."""
+    gc.unfreeze()
+
+
 def exit_process(code: int) -> NoReturn:
     """End the process now, with `code`, once its owner has released what outlives it (child
     processes, sockets, temp files): logs and stdio are flushed, the interpreter's teardown

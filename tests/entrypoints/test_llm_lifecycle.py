@@ -98,3 +98,10 @@ def test_del_returns_the_gpu_memory_to_a_second_engine(tiny_llama3: str) -> None
         assert first.num_blocks - leftover // page_bytes <= runner_of(second).kv_cache_config.num_blocks
     finally:
         second.shutdown()
+
+
+def test_startup_objects_leave_the_collectors_scans_until_shutdown(tiny_llama3: str) -> None:
+    llm = LLM(tiny_llama3, **CPU)
+    assert gc.get_freeze_count() > 0  # the model, the engine and what they hold are frozen
+    llm.shutdown()
+    assert gc.get_freeze_count() == 0  # handed back before the engine went
