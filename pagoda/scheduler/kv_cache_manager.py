@@ -41,15 +41,16 @@ GroupBlocks = tuple[list[KVCacheBlock], ...]
 
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b"") -> BlockHash:
     """sha256 of parent hash (32 bytes), length-prefixed extra keys and int64 token ids."""
-    payload = b"".join(
-        (
-            parent_hash,
-            struct.pack("<I", len(extra_keys)),
-            extra_keys,
-            struct.pack(f"<{len(token_ids)}q", *token_ids),
-        )
-    )
-    return hashlib.sha256(payload).digest()
+    return _hash_packed(parent_hash, _keys_header(extra_keys), struct.pack(f"<{len(token_ids)}q", *token_ids))
+
+
+def _keys_header(extra_keys: bytes) -> bytes:
+    return struct.pack("<I", len(extra_keys)) + extra_keys
+
+
+def _hash_packed(parent_hash: BlockHash, keys_header: bytes, packed_token_ids: bytes) -> BlockHash:
+    """`hash_block_tokens` of tokens already packed as int64, with the extra keys' header."""
+    return hashlib.sha256(b"".join((parent_hash, keys_header, packed_token_ids))).digest()
 
 
 def block_extra_keys(request: Request) -> bytes:
@@ -144,23 +145,30 @@ class KVCacheManager:
         return self.kv_cache_config.max_blocks_per_request(num_tokens, max_chunk)
 
     def update_block_hashes(self, request: Request) -> None:
-        """Hash the request's full blocks that have no hash yet (call after tokens arrive)."""
+        """Hash the request's full blocks that have no hash yet (call after tokens arrive).
+
+        The new blocks' tokens are packed in one call (a long prompt's hundreds of blocks, each
+        otherwise packed on its own, cost most of adding a request)."""
         if not self.enable_caching:
             return
         hashes = request.block_hashes
         size = self.hash_block_size
+        first = len(hashes)
         num_full = request.num_tokens // size
-        if len(hashes) == num_full:
+        if first == num_full:
             return
         extra_keys = block_extra_keys(request)
-        tokens = request.all_token_ids
+        header = _keys_header(extra_keys)
+        packed = struct.pack(f"<{(num_full - first) * size}q", *request.all_token_ids[first * size : num_full * size])
+        block_bytes = 8 * size
         parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
-        for i in range(len(hashes), num_full):
-            keys = extra_keys
+        for i in range(first, num_full):
+            keys_header = header
             if request.mm_features:  # the images whose placeholders the block covers, tagged like the others
                 images = block_mm_keys(request.mm_features, i * size, (i + 1) * size)
-                keys += b"mm" + struct.pack("<I", len(images)) + images
-            parent = hash_block_tokens(parent, tokens[i * size : (i + 1) * size], keys)
+                keys_header = _keys_header(extra_keys + b"mm" + struct.pack("<I", len(images)) + images)
+            start = (i - first) * block_bytes
+            parent = _hash_packed(parent, keys_header, packed[start : start + block_bytes])
             hashes.append(parent)
 
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:

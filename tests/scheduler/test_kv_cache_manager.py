@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from kv_cache_utils import kv_cache_config, snapshot
 
 from pagoda.scheduler.block_pool import NULL_BLOCK_ID, BlockPool
-from pagoda.scheduler.kv_cache_manager import KVCacheManager
+from pagoda.scheduler.kv_cache_manager import ROOT_BLOCK_HASH, KVCacheManager, block_extra_keys, hash_block_tokens
 from pagoda.scheduler.output import BlockIds
 from pagoda.scheduler.request import Request
 
@@ -68,6 +70,28 @@ def test_incremental_hashes_match_hashes_of_the_whole_sequence(make_request) -> 
     manager.update_block_hashes(whole)
     assert len(growing.block_hashes) == 3
     assert growing.block_hashes == whole.block_hashes
+
+
+@pytest.mark.parametrize("cache_salt", [None, "tenant-a"])
+def test_packed_hashes_equal_the_chain_of_block_hashes(make_request, cache_salt) -> None:
+    """`update_block_hashes` packs a span of blocks at once, as the prompt arrives and as outputs
+    fill blocks: every hash must be `hash_block_tokens` of its block, chained from the root."""
+    rng = random.Random(0)
+    manager = make_manager()
+    for trial in range(20):
+        request = make_request(str(trial), [rng.randrange(2**40) for _ in range(rng.randrange(1, 40))], cache_salt)
+        manager.update_block_hashes(request)
+        for _ in range(rng.randrange(0, 12)):
+            request.append_output_token(rng.randrange(-(2**40), 2**40))
+            if rng.random() < 0.5:
+                manager.update_block_hashes(request)
+        manager.update_block_hashes(request)
+        expected, parent = [], ROOT_BLOCK_HASH
+        tokens = request.all_token_ids
+        for start in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
+            parent = hash_block_tokens(parent, tokens[start : start + BLOCK_SIZE], block_extra_keys(request))
+            expected.append(parent)
+        assert request.block_hashes == expected
 
 
 def test_cache_salt_isolates_tenants(make_request) -> None:
