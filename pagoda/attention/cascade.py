@@ -31,7 +31,7 @@ import torch
 
 from pagoda.attention.metadata import CascadeMetadata
 from pagoda.scheduler.block_pool import NULL_BLOCK_ID
-from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
+from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer, PackedStaging
 
 # Shared prefix tokens x requests below which a group does not cascade: the break-even of the
 # cascade's extra launches and merge against the prefix reads it saves, measured with
@@ -161,22 +161,53 @@ class CascadePlanCache:
 
 
 class CascadeBuffers:
-    """One KV-cache group's static cascade buffers, sized for `max_tokens` tokens and rows."""
+    """One KV-cache group's static cascade buffers, sized for `max_tokens` tokens and rows: its
+    own, or those `sizes` names carved from the runner's `PackedStaging` (sent with the step's
+    other inputs)."""
 
     def __init__(
-        self, max_tokens: int, device: torch.device, pin_memory: bool, max_groups: int = MAX_CASCADE_GROUPS
+        self,
+        max_tokens: int,
+        device: torch.device,
+        pin_memory: bool,
+        max_groups: int = MAX_CASCADE_GROUPS,
+        staging: PackedStaging | None = None,
+        prefix: str = "",
     ) -> None:
-        def buffer(size: int) -> CpuGpuBuffer:
-            return CpuGpuBuffer(size, torch.int32, device, pin_memory)
-
         self.max_tokens = max_tokens
         self.max_groups = max_groups
-        self.prefix_lens = buffer(max_tokens)
-        self.token_groups = buffer(max_tokens)
-        self.group_tokens = buffer(max_tokens)
-        self.group_token_start = buffer(max_groups + 1)
-        self.group_prefix_lens = buffer(max_groups)
-        self.group_leaders = buffer(max_groups)
+        self._staging = staging
+        if staging is None:
+            fields = {
+                name: CpuGpuBuffer(size, dtype, device, pin_memory)
+                for name, (size, dtype) in self.sizes(max_tokens, max_groups).items()
+            }
+        else:
+            fields = {name: staging[prefix + name] for name in self.sizes(max_tokens, max_groups)}
+        self.prefix_lens = fields["prefix_lens"]
+        self.token_groups = fields["token_groups"]
+        self.group_tokens = fields["group_tokens"]
+        self.group_token_start = fields["group_token_start"]
+        self.group_prefix_lens = fields["group_prefix_lens"]
+        self.group_leaders = fields["group_leaders"]
+
+    @staticmethod
+    def sizes(
+        max_tokens: int, max_groups: int = MAX_CASCADE_GROUPS, prefix: str = ""
+    ) -> dict[str, tuple[int, torch.dtype]]:
+        """The buffers' (entries, dtype) by name (with `prefix`), for a `PackedStaging` to hold."""
+        sizes = {
+            "prefix_lens": max_tokens,
+            "token_groups": max_tokens,
+            "group_tokens": max_tokens,
+            "group_token_start": max_groups + 1,
+            "group_prefix_lens": max_groups,
+            "group_leaders": max_groups,
+        }
+        return {prefix + name: (size, torch.int32) for name, size in sizes.items()}
+
+    def _send(self, buffer: CpuGpuBuffer, n: int) -> torch.Tensor:
+        return buffer.copy_to_gpu(n) if self._staging is None else self._staging.stage(buffer, n)
 
     def build(
         self, plan: CascadePlan | None, num_scheduled: np.ndarray, num_input_tokens: int, num_rows: int
@@ -211,14 +242,15 @@ class CascadeBuffers:
         if plan is not None:
             self.group_prefix_lens.np[:num_groups] = plan.prefix_lens
             self.group_leaders.np[:num_groups] = plan.leaders
+        send = self._send
         return CascadeMetadata(
             num_groups=num_groups,
-            prefix_lens=self.prefix_lens.copy_to_gpu(num_rows),
-            token_groups=self.token_groups.copy_to_gpu(num_input_tokens),
-            group_token_start=self.group_token_start.copy_to_gpu(self.max_groups + 1),
-            group_tokens=self.group_tokens.copy_to_gpu(num_input_tokens),
-            group_prefix_lens=self.group_prefix_lens.copy_to_gpu(self.max_groups),
-            group_leaders=self.group_leaders.copy_to_gpu(self.max_groups),
+            prefix_lens=send(self.prefix_lens, num_rows),
+            token_groups=send(self.token_groups, num_input_tokens),
+            group_token_start=send(self.group_token_start, self.max_groups + 1),
+            group_tokens=send(self.group_tokens, num_input_tokens),
+            group_prefix_lens=send(self.group_prefix_lens, self.max_groups),
+            group_leaders=send(self.group_leaders, self.max_groups),
             token_groups_cpu=self.token_groups.cpu[:num_input_tokens],
             prefix_lens_cpu=self.prefix_lens.cpu[:num_rows],
             group_prefix_lens_cpu=self.group_prefix_lens.cpu[: self.max_groups],

@@ -48,7 +48,7 @@ from pagoda.spec_decode.proposer import make_drafter
 from pagoda.spec_decode.verification import verify_drafts
 from pagoda.structured_output.spec import GrammarSpec
 from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
-from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer
+from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer, PackedStaging
 from pagoda.worker.cuda_graph import BatchDescriptor, CudaGraphManager, CUDAGraphMode, default_capture_sizes
 from pagoda.worker.input_batch import CachedRequestState, InputBatch
 from pagoda.worker.kv_connector.base import KVConnector
@@ -191,14 +191,20 @@ class GPUModelRunner:
             return CpuGpuBuffer(size, dtype, device, self.pin_memory)
 
         self.buffer = buffer
-        self.input_ids = buffer(self.max_num_tokens, torch.int64)
-        self.positions = buffer(self.max_num_tokens, torch.int64)
+        # A step's small inputs, sent in one copy (see `PackedStaging`); made with the KV-cache
+        # groups, which have a slot mapping each: `_init_step_staging`.
+        self.staging: PackedStaging | None = None
+        self.input_ids: CpuGpuBuffer
+        self.positions: CpuGpuBuffer
         self.slot_mappings: list[CpuGpuBuffer] = []  # one per KV-cache group
-        self.query_start_loc = buffer(self.max_num_reqs + 1, torch.int32)
-        self.seq_lens = buffer(self.max_num_reqs, torch.int32)
+        self.query_start_loc: CpuGpuBuffer
+        self.seq_lens: CpuGpuBuffer
+        self.logits_indices: CpuGpuBuffer
+        self.sample_rows: CpuGpuBuffer
+        # Where the previous step's sampled ids go in this step's input ids (async scheduling).
+        self.prev_sampled_dst: CpuGpuBuffer
+        self.prev_sampled_src: CpuGpuBuffer
         num_logits_max = max(self.max_num_tokens, self.max_num_reqs)
-        self.logits_indices = buffer(num_logits_max, torch.int64)
-        self.sample_rows = buffer(self.max_num_reqs, torch.int64)
         # The batch row of each logits row (a verify step samples a row at each of its positions).
         self.logits_rows = buffer(num_logits_max, torch.int64)
         speculative = config.speculative_config
@@ -214,9 +220,6 @@ class GPUModelRunner:
         # A draft model proposing after each step (built by load_model); None: the scheduler's n-grams or none.
         self.drafter: DraftModelProposer | None = make_drafter(self, speculative)
         self.logits_start = buffer(self.max_num_reqs, torch.int64)
-        # Where the previous step's sampled ids go in this step's input ids (async scheduling).
-        self.prev_sampled_dst = buffer(self.max_num_reqs, torch.int64)
-        self.prev_sampled_src = buffer(self.max_num_reqs, torch.int64)
         self.async_scheduling = bool(config.scheduler_config.async_scheduling)
         # The last step's output while its ids may still be only on the device.
         self._pending_output: AsyncGPUModelRunnerOutput | None = None
@@ -350,14 +353,9 @@ class GPUModelRunner:
                 )
                 builders[key] = builder_cls(spec, limits, self.device)
         self.attn_metadata_builders = [builders[key] for key in keys]
-        self.slot_mappings = [self.buffer(self.max_num_tokens, torch.int64) for _ in groups]
-        # Cascade steps take at most max_num_reqs tokens (the workspaces' size); paged groups only.
-        self.cascade_buffers = [
-            CascadeBuffers(self.max_num_reqs, self.device, self.pin_memory)
-            if cascade and isinstance(group.kv_cache_spec, (FullAttentionSpec, SlidingWindowSpec))
-            else None
-            for group in groups
-        ]
+        self._init_step_staging(
+            [cascade and isinstance(group.kv_cache_spec, (FullAttentionSpec, SlidingWindowSpec)) for group in groups]
+        )
         self.cascade_plans = [CascadePlanCache() for _ in groups]
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
@@ -368,6 +366,40 @@ class GPUModelRunner:
             pin_memory=self.pin_memory,
         )
         self.kv_caches = self._allocate_kv_caches(kv_cache_config, memory_pool=None)
+
+    def _init_step_staging(self, cascades: list[bool]) -> None:
+        """The step's small inputs in one `PackedStaging`, request-sized ones first (a decode
+        step's spans then lie close together): lengths, rows, per KV-cache group its slot
+        mapping and, where `cascades[gid]`, its cascade buffers (cascade steps take at most
+        max_num_reqs tokens, the workspaces' size)."""
+        max_reqs, max_tokens = self.max_num_reqs, self.max_num_tokens
+        sizes: dict[str, tuple[int, torch.dtype]] = {
+            "query_start_loc": (max_reqs + 1, torch.int32),
+            "seq_lens": (max_reqs, torch.int32),
+            "sample_rows": (max_reqs, torch.int64),
+            "prev_sampled_dst": (max_reqs, torch.int64),
+            "prev_sampled_src": (max_reqs, torch.int64),
+        }
+        for gid, cascade in enumerate(cascades):
+            if cascade:
+                sizes.update(CascadeBuffers.sizes(max_reqs, prefix=f"cascade{gid}."))
+        sizes["input_ids"] = (max_tokens, torch.int64)
+        sizes["positions"] = (max_tokens, torch.int64)
+        sizes["logits_indices"] = (max(max_tokens, max_reqs), torch.int64)
+        sizes.update({f"slot_mapping{gid}": (max_tokens, torch.int64) for gid in range(len(cascades))})
+        staging = self.staging = PackedStaging(sizes, self.device, self.pin_memory)
+        self.query_start_loc, self.seq_lens = staging["query_start_loc"], staging["seq_lens"]
+        self.sample_rows = staging["sample_rows"]
+        self.prev_sampled_dst, self.prev_sampled_src = staging["prev_sampled_dst"], staging["prev_sampled_src"]
+        self.input_ids, self.positions = staging["input_ids"], staging["positions"]
+        self.logits_indices = staging["logits_indices"]
+        self.slot_mappings = [staging[f"slot_mapping{gid}"] for gid in range(len(cascades))]
+        self.cascade_buffers = [
+            CascadeBuffers(max_reqs, self.device, self.pin_memory, staging=staging, prefix=f"cascade{gid}.")
+            if cascade
+            else None
+            for gid, cascade in enumerate(cascades)
+        ]
 
     def reload_weights(self) -> None:
         """Fill the weights in place from the model's source (after sleep level 2 dropped them)."""
@@ -755,11 +787,25 @@ class GPUModelRunner:
         first_index = np.repeat(cu_num_tokens[sample_rows] - num_logits - logits_start, num_logits)
         self.logits_indices.np[:num_sampled] = first_index + self._arange[:num_sampled]
 
-        forward_context = self._build_attention_metadata(
+        # Everything staged is sent in one copy, before any device work reads it.
+        assert self.staging is not None
+        stage = self.staging.stage
+        group_metadata = self._build_attention_metadata(
             num_input_tokens, num_rows, num_scheduled, cu_num_tokens, seq_lens, cascade
         )
-        input_ids = self.input_ids.copy_to_gpu(num_input_tokens)
-        self._scatter_prev_sampled(input_ids, num_computed, num_scheduled, cu_num_tokens - num_scheduled)
+        prev_sampled = self._stage_prev_sampled(num_computed, num_scheduled, cu_num_tokens - num_scheduled)
+        input_ids = stage(self.input_ids, num_input_tokens)
+        positions_device = stage(self.positions, num_input_tokens)
+        logits_indices = stage(self.logits_indices, num_sampled)
+        rows_device = None
+        if 0 < len(sample_rows) < num_reqs:
+            self.sample_rows.np[: len(sample_rows)] = sample_rows
+            rows_device = stage(self.sample_rows, len(sample_rows))
+        self.staging.send()
+
+        forward_context = self._forward_context(group_metadata)
+        if prev_sampled is not None:
+            self._scatter_prev_sampled(input_ids, *prev_sampled)
         draft_token_ids = logits_start_device = None
         if num_drafts.any():
             draft_token_ids = self._send_drafts(sample_rows, num_drafts)
@@ -767,15 +813,15 @@ class GPUModelRunner:
             logits_start_device = self.logits_start.copy_to_gpu(len(sample_rows))
         return PreparedInputs(
             input_ids=input_ids,
-            positions=self.positions.copy_to_gpu(num_input_tokens),
+            positions=positions_device,
             forward_context=forward_context,
             num_scheduled_tokens=total,
-            logits_indices=self.logits_indices.copy_to_gpu(num_sampled),
+            logits_indices=logits_indices,
             sample_rows=sample_rows,
             num_drafts=num_drafts,
             logits_start=logits_start,
             sampling_metadata=(
-                self._sampling_metadata(sample_rows, num_drafts, logits_start)
+                self._sampling_metadata(sample_rows, rows_device, num_drafts, logits_start)
                 if self.is_last_stage and self.pooler is None
                 else None
             ),
@@ -784,14 +830,15 @@ class GPUModelRunner:
             cascade=any(m.cascade is not None for m in forward_context.attn_metadata.values()),
         )
 
-    def _scatter_prev_sampled(
-        self, input_ids: torch.Tensor, num_computed: np.ndarray, num_scheduled: np.ndarray, first_token: np.ndarray
-    ) -> None:
-        """Copy the previous step's sampled ids, still unknown to the host, into this step's
-        input ids on the device (where the host wrote placeholders)."""
+    def _stage_prev_sampled(
+        self, num_computed: np.ndarray, num_scheduled: np.ndarray, first_token: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where the previous step's sampled ids, still unknown to the host, go in this step's
+        input ids (the host wrote placeholders there): (the pending device ids, the staged
+        indices among them, the staged input positions), or None when none go."""
         pending = self._pending_output
         if pending is None or pending.resolved:
-            return
+            return None
         req_ids = self.input_batch.req_ids
         # Each row's index among the pending step's sampled rows (-1: it did not sample then).
         indices = pending.sampled_index_of_rows(req_ids)
@@ -803,25 +850,37 @@ class GPUModelRunner:
         offsets = pending.positions[indices].astype(np.int64) - num_computed[rows]
         in_step = (offsets >= 0) & (offsets < num_scheduled[rows])
         num = int(in_step.sum())
+        if not num:
+            return None
+        assert pending.sampled_token_ids is not None and self.staging is not None
         self.prev_sampled_dst.np[:num] = first_token[rows[in_step]] + offsets[in_step]
         self.prev_sampled_src.np[:num] = indices[in_step]
-        if num:
-            assert pending.sampled_token_ids is not None
-            source = pending.sampled_token_ids[self.prev_sampled_src.copy_to_gpu(num), 0]
-            input_ids.index_copy_(0, self.prev_sampled_dst.copy_to_gpu(num), source)
+        return (
+            pending.sampled_token_ids,
+            self.staging.stage(self.prev_sampled_src, num),
+            self.staging.stage(self.prev_sampled_dst, num),
+        )
+
+    @staticmethod
+    def _scatter_prev_sampled(
+        input_ids: torch.Tensor, sampled_token_ids: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Copy the previous step's sampled ids into this step's input ids, on the device."""
+        input_ids.index_copy_(0, dst, sampled_token_ids[src, 0])
 
     def _sampling_metadata(
-        self, sample_rows: np.ndarray, num_drafts: np.ndarray, logits_start: np.ndarray
+        self,
+        sample_rows: np.ndarray,
+        rows_device: torch.Tensor | None,
+        num_drafts: np.ndarray,
+        logits_start: np.ndarray,
     ) -> SamplingMetadata | None:
         """Sampling settings of the rows that sample, sent before the forward with the inputs:
-        in a verify step one entry per position (see `SamplingBatch.metadata`); `logits_start`:
-        each sampled row's first row among the logits."""
+        in a verify step one entry per position (see `SamplingBatch.metadata`); `rows_device`:
+        the sampled rows on the device, None when every row samples; `logits_start`: each
+        sampled row's first row among the logits."""
         if len(sample_rows) == 0:
             return None
-        rows_device = None
-        if len(sample_rows) != self.input_batch.num_reqs:
-            self.sample_rows.np[: len(sample_rows)] = sample_rows
-            rows_device = self.sample_rows.copy_to_gpu(len(sample_rows))
         if not num_drafts.any():
             return self.input_batch.sampling_metadata(sample_rows, rows_device)
         num_logits = num_drafts + 1
@@ -838,13 +897,15 @@ class GPUModelRunner:
         cu_num_tokens: np.ndarray,
         seq_lens: np.ndarray,
         cascade: CascadeMode = CascadeMode.OFF,
-    ) -> ForwardContext:
-        """The step's `ForwardContext`: per KV-cache group, its block table and slot mapping with
-        the common query offsets and lengths, made into its layers' metadata by the group's
-        builder, for `num_rows` request rows (at least the real ones; the rest have length 0).
+    ) -> list[AttentionMetadata]:
+        """Per KV-cache group, its block table and slot mapping with the common query offsets
+        and lengths, for `num_rows` request rows (at least the real ones; the rest have length
+        0), staged but not yet sent (`_forward_context` makes them the layers' metadata after).
         The seed's cascade-attention prefix lengths: with `cascade` AUTO, each group whose
         requests share leading blocks where that pays (`plan_cascade`) gets its cascade metadata;
         ALWAYS gives it even without a shared prefix (capturing a cascade graph)."""
+        assert self.staging is not None
+        stage = self.staging.stage
         num_reqs = len(num_scheduled)
         num_total = int(cu_num_tokens[-1])
         self.query_start_loc.np[0] = 0
@@ -852,38 +913,38 @@ class GPUModelRunner:
         self.query_start_loc.np[num_reqs + 1 : num_rows + 1] = num_total
         self.seq_lens.np[:num_reqs] = seq_lens
         self.seq_lens.np[num_reqs:num_rows] = 0
-        query_start_loc = self.query_start_loc.copy_to_gpu(num_rows + 1)
-        seq_lens_device = self.seq_lens.copy_to_gpu(num_rows)
+        query_start_loc = stage(self.query_start_loc, num_rows + 1)
+        seq_lens_device = stage(self.seq_lens, num_rows)
         block_table = self.input_batch.block_table
-        group_metadata = [
-            builder.build(
-                AttentionMetadata(
-                    num_reqs=num_rows,
-                    num_actual_tokens=num_total,
-                    max_query_len=int(num_scheduled.max()),
-                    max_seq_len=int(seq_lens.max()),
-                    block_size=block_size,
-                    query_start_loc=query_start_loc,
-                    seq_lens=seq_lens_device,
-                    block_table=table.commit(num_rows),
-                    slot_mapping=slot_mapping.copy_to_gpu(num_input_tokens),
-                    query_start_loc_cpu=self.query_start_loc.cpu[: num_rows + 1],
-                    seq_lens_cpu=self.seq_lens.cpu[:num_rows],
-                    cascade=self._cascade_metadata(gid, cascade, num_scheduled, seq_lens, num_input_tokens, num_rows),
-                )
+        max_query_len, max_seq_len = int(num_scheduled.max()), int(seq_lens.max())
+        return [
+            AttentionMetadata(
+                num_reqs=num_rows,
+                num_actual_tokens=num_total,
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+                block_size=block_size,
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens_device,
+                block_table=table.commit(num_rows),
+                slot_mapping=stage(slot_mapping, num_input_tokens),
+                query_start_loc_cpu=self.query_start_loc.cpu[: num_rows + 1],
+                seq_lens_cpu=self.seq_lens.cpu[:num_rows],
+                cascade=self._cascade_metadata(gid, cascade, num_scheduled, seq_lens, num_input_tokens, num_rows),
             )
-            for gid, (table, block_size, slot_mapping, builder) in enumerate(
-                zip(
-                    block_table.tables,
-                    block_table.block_sizes,
-                    self.slot_mappings,
-                    self.attn_metadata_builders,
-                    strict=True,
-                )
+            for gid, (table, block_size, slot_mapping) in enumerate(
+                zip(block_table.tables, block_table.block_sizes, self.slot_mappings, strict=True)
             )
         ]
+
+    def _forward_context(self, group_metadata: list[AttentionMetadata]) -> ForwardContext:
+        """The step's `ForwardContext`: each group's metadata made into its layers' by the group's
+        builder (which may run device work over it: only once the staged inputs are sent)."""
+        built = [
+            builder.build(common) for builder, common in zip(self.attn_metadata_builders, group_metadata, strict=True)
+        ]
         return ForwardContext(
-            attn_metadata={name: group_metadata[gid] for name, gid in self.layer_groups.items()},
+            attn_metadata={name: built[gid] for name, gid in self.layer_groups.items()},
             kv_caches=self.kv_caches,
         )
 
