@@ -6,6 +6,7 @@ and the request's status; the token history grows as sampled tokens come back.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -60,6 +61,13 @@ class Request:
         self.max_tokens = sampling_params.max_tokens
 
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        # Read for every token of every step, so worked out once: the tokens that may end the
+        # request (its stop tokens, and EOS unless ignore_eos) and the token count at which it
+        # is capped (prompt + max_tokens; the scheduler lowers it to max_model_len).
+        self.ending_token_ids = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if sampling_params.ignore_eos else self.eos_token_ids | sampling_params.all_stop_token_ids
+        )
+        self.length_cap = self.num_prompt_tokens + self.max_tokens if self.max_tokens is not None else sys.maxsize
         self.all_token_ids = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

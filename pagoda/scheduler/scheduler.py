@@ -142,9 +142,7 @@ class Scheduler:
                 f"prompt_token_ids has {request.num_prompt_tokens} tokens; at most max_model_len - 1 = "
                 f"{self.max_model_len - 1} fit, leaving a position for the first generated token"
             )
-        max_len = self.max_model_len
-        if request.max_tokens is not None:
-            max_len = min(max_len, request.num_prompt_tokens + request.max_tokens)
+        request.length_cap = max_len = min(request.length_cap, self.max_model_len)
         # The last sampled token is never computed, so at most max_len - 1 tokens hold KV (a
         # pooling request's prompt, which may fill max_model_len, holds KV for all of it).
         num_kv_tokens = request.num_prompt_tokens if request.pooling_params is not None else max_len - 1
@@ -429,6 +427,7 @@ class Scheduler:
         draft_token_ids = model_runner_output.draft_token_ids
         verified = bool(scheduler_output.scheduled_spec_decode_tokens)
         caching = kv.enable_caching
+        hash_block_size = kv.hash_block_size
         requests = self.requests
         req_id_to_index = model_runner_output.req_id_to_index
         sampled_token_ids = model_runner_output.sampled_token_ids
@@ -463,7 +462,7 @@ class Scheduler:
                     break
             new_token_ids = sampled if num_new == len(sampled) else sampled[:num_new]
             if status is None:
-                if caching:
+                if caching and len(request.all_token_ids) // hash_block_size > len(request.block_hashes):
                     kv.update_block_hashes(request)
                 if draft_token_ids is not None and request.status == RequestStatus.RUNNING:
                     request.spec_token_ids = draft_token_ids[index]
@@ -627,16 +626,10 @@ class Scheduler:
         (a pooling request needs the rest of its prompt, which may fill max_model_len)."""
         if request.pooling_params is not None:
             return request.num_prompt_tokens - request.num_computed_tokens
-        num_pending = request.num_pending_tokens
-        if self._length_capped(request, num_pending):
+        num_tokens = len(request.all_token_ids) + request.num_pending_tokens
+        if num_tokens >= request.length_cap:
             return 0
-        return len(request.all_token_ids) + num_pending - request.num_computed_tokens
-
-    def _length_capped(self, request: Request, num_extra_tokens: int = 0) -> bool:
-        max_tokens = request.max_tokens
-        return (max_tokens is not None and len(request.output_token_ids) + num_extra_tokens >= max_tokens) or len(
-            request.all_token_ids
-        ) + num_extra_tokens >= self.max_model_len
+        return num_tokens - request.num_computed_tokens
 
     def _unblock_waiting(self) -> None:
         """A waiting request did not fit. With nothing running, nothing would ever free blocks
@@ -671,15 +664,15 @@ class Scheduler:
                 return None
         return new_block_ids
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if len(request.output_token_ids) >= params.min_tokens:
-            if token_id in params.stop_token_ids:
+    @staticmethod
+    def _check_stop(request: Request, token_id: int) -> RequestStatus | None:
+        """After `token_id` joined the request: a stop token past min_tokens (its stop reason when
+        one of stop_token_ids), else the length cap (max_tokens or max_model_len), else None."""
+        if token_id in request.ending_token_ids and len(request.output_token_ids) >= request.sampling_params.min_tokens:
+            if token_id in request.sampling_params.stop_token_ids:
                 request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and (token_id in request.eos_token_ids or token_id in params.all_stop_token_ids):
-                return RequestStatus.FINISHED_STOPPED
-        if self._length_capped(request):
+            return RequestStatus.FINISHED_STOPPED
+        if len(request.all_token_ids) >= request.length_cap:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
