@@ -4,7 +4,9 @@ Wraps the engine core's three calls of a step (`Scheduler.schedule`, the executo
 `execute_model`: the runner's host work plus whatever it waits for, `Scheduler.update_from_output`)
 with timers, counts the steps whose attention cascaded, and runs the workload twice (the second
 finds every prompt in the prefix cache); `--profile` then runs it once more under cProfile. When
-the phases add up to the step's wall time, the step is host-bound. Usage, from the repo root:
+the phases add up to the step's wall time, the step is host-bound. Each run also reports the
+cyclic garbage collector's passes by generation and their time (`LLM` freezes the start-up
+objects out of its scans, so a pass should cost little). Usage, from the repo root:
 
     python benchmarks/step_phases.py --model qwen3-0.6b --load-format dummy --workload shared-prefix
 """
@@ -15,6 +17,7 @@ import argparse
 import collections
 import cProfile
 import functools
+import gc
 import pstats
 import time
 
@@ -36,6 +39,18 @@ class PhaseTimers:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
         self.steps: list[tuple[int, bool]] = []
+        # The cyclic collector's passes by generation, and their seconds.
+        self.gc_passes: collections.Counter[int] = collections.Counter()
+        self.gc_seconds = 0.0
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_passes[info["generation"]] += 1
+            self.gc_seconds += time.perf_counter() - self._gc_start
 
     def wrap(self, owner: object, name: str) -> None:
         method = getattr(owner, name)
@@ -65,10 +80,16 @@ class PhaseTimers:
         self.seconds.clear()
         self.calls.clear()
         self.steps.clear()
+        self.gc_passes.clear()
+        self.gc_seconds = 0.0
 
     def report(self, label: str, wall_s: float) -> str:
         cascaded = sum(cascade for _, cascade in self.steps)
-        lines = [f"{label}: {wall_s:.3f} s, {len(self.steps)} steps ({cascaded} cascaded)"]
+        passes = ", ".join(f"gen {gen}: {n}" for gen, n in sorted(self.gc_passes.items())) or "none"
+        lines = [
+            f"{label}: {wall_s:.3f} s, {len(self.steps)} steps ({cascaded} cascaded); "
+            f"gc passes {passes} ({self.gc_seconds * 1e3:.1f} ms)"
+        ]
         for name, seconds in self.seconds.items():
             per_call = seconds / max(self.calls[name], 1) * 1e3
             lines.append(
