@@ -6,7 +6,8 @@
 - single: one 32-id prompt -> `--output-len` tokens at batch 1; wall ms per token.
 
 Each round prints the load average beside its figures: on a shared machine compare runs made
-back to back. `--cpu-threads` is passed to the engine only when given, so the script also runs
+back to back. torch is imported after pagoda, as the CLI does, so pagoda's OpenMP wait policy
+applies. `--cpu-threads` is passed to the engine only when given, so the script also runs
 against a tree without that option (the before side of a comparison). Usage, from the repo root:
 
     PYTHONPATH=. python benchmarks/cpu_decode.py --dtype bfloat16 --rounds 3
@@ -17,8 +18,6 @@ from __future__ import annotations
 import argparse
 import random
 import time
-
-import torch
 
 from pagoda import LLM, SamplingParams
 
@@ -36,6 +35,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-single", action="store_true", help="batch workload only")
     args = parser.parse_args()
+    import torch  # after pagoda, whose import sets the OpenMP wait policy before torch loads OpenMP
+
     threads = {} if args.cpu_threads is None else {"cpu_threads": args.cpu_threads}
     llm = LLM(device="cpu", dtype=args.dtype, enable_prefix_caching=False, **threads)
     rng = random.Random(0)
