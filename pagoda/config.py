@@ -1,8 +1,9 @@
 """Engine configuration: one dataclass per concern, gathered in `EngineConfig`.
 
-A leaf module: it imports nothing from pagoda (every layer imports it). Resolving user
-settings against the model (`pagoda.engine.arg_utils.create_engine_config`) lives in the
-engine, which may import the model loader.
+A leaf module: it imports nothing from pagoda but the leaf `pagoda.cpu_platform` (every layer
+imports it). Resolving user settings against the model
+(`pagoda.engine.arg_utils.create_engine_config`) lives in the engine, which may import the
+model loader.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+from pagoda.cpu_platform import usable_cpu_count
 
 
 class ConfigError(ValueError):
@@ -70,8 +73,23 @@ class PoolerConfig:
 class DeviceConfig:
     device: str = "auto"
     attention_backend: str = "auto"
+    # CPU device: torch's compute threads, set once when the worker starts; None: every CPU the
+    # process may run on (its affinity). More would oversubscribe the cores.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        usable = usable_cpu_count()
+        if self.cpu_threads is None:
+            self.cpu_threads = usable
+        if (
+            isinstance(self.cpu_threads, bool)
+            or not isinstance(self.cpu_threads, int)
+            or not 1 <= self.cpu_threads <= usable
+        ):
+            raise ConfigError(
+                f"cpu_threads must be an integer in [1, {usable}] (the CPUs this process may run on), "
+                f"got {self.cpu_threads!r}"
+            )
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

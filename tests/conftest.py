@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 
 from engine_utils import check_engine_idle, smollm2_gguf_path
 
+from pagoda import cpu_platform
 from pagoda.distributed.parallel_state import init_parallel_state
 from pagoda.engine.debug import DEBUG_CHECK_IDLE_ENV
 from pagoda.engine.llm_engine import LLMEngine
@@ -49,6 +50,16 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     setattr(item, f"report_{report.when}", report)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _float32_auto_dtype_on_cpu():
+    """dtype "auto" stays float32 on the CPU whatever the CPU (its references are float32; on one
+    with native bfloat16 the engine would pick bfloat16). tests/engine/test_cpu_options.py mocks
+    both branches itself."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)
+        yield
 
 
 @pytest.fixture(autouse=True)

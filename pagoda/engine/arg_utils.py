@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pagoda import cpu_platform
 from pagoda.config import (
     CacheConfig,
     CompilationConfig,
@@ -202,10 +203,13 @@ def _resolve_speculative(
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device_config: DeviceConfig) -> torch.dtype:
+    """ "auto": bfloat16 where the hardware multiplies it natively (CUDA; CPUs with AVX-512 BF16 or
+    AMX, where it halves the bytes each step reads), else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device_config.is_cuda else torch.float32
+        native_bf16 = device_config.is_cuda or cpu_platform.cpu_has_native_bf16()
+        return torch.bfloat16 if native_bf16 else torch.float32
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]

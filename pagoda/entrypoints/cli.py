@@ -43,7 +43,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "safetensors", "gguf", "dummy"],
         help="auto: from the path; dummy: random weights",
     )
-    model.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    model.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else float32), float32, float16 or bfloat16",
+    )
     model.add_argument(
         "--generation-config",
         default="auto",
@@ -71,6 +75,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    engine.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="CPU device: torch compute threads (default: every CPU this process may run on)",
+    )
     engine.add_argument("--max-num-seqs", type=int, default=None, help="requests in one batch (default: 256)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step (default: 8192)")
     engine.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: 16)")
@@ -180,6 +190,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs",
         "max_num_batched_tokens",
         "block_size",
+        "cpu_threads",
         "tensor_parallel_size",
         "pipeline_parallel_size",
         "distributed_executor_backend",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -21,6 +20,7 @@ from typing import TypeVar
 import torch
 import xgrammar as xgr
 
+from pagoda.cpu_platform import usable_cpu_count
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.structured_output.reasoning import Phase, ReasoningGate
 
@@ -169,7 +169,7 @@ class GrammarBatch:
     MIN_ROWS_PER_THREAD = 16
 
     def __init__(self, num_threads: int | None = None) -> None:
-        self._num_threads = num_threads or min(8, _usable_cpus())
+        self._num_threads = num_threads or min(8, usable_cpu_count())
         # One single-threaded batch matcher per span: no two threads share one.
         self._batches = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(self._num_threads)]
         self._pool = ThreadPoolExecutor(self._num_threads - 1) if self._num_threads > 1 else None
@@ -216,13 +216,6 @@ class GrammarBatch:
         for row, state in zip(rows, states, strict=True):
             if state.grammar_start is None:  # opening or forcing its reasoning's start marker
                 state.adjust_mask(bitmask[row])
-
-
-def _usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, where the platform has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int, pin_memory: bool) -> torch.Tensor:

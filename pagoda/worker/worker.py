@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.cpu_platform import configure_cpu_threads
 from pagoda.distributed.parallel_state import init_distributed_environment, pp_recv, pp_send
 from pagoda.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from pagoda.model.loader.model_loader import check_weights_complete, iter_checkpoint_weights
@@ -75,6 +76,7 @@ class Worker:
             # Tiny activations (random dummy weights, long residual chains) turn denormal and make
             # CPU matmuls crawl; flushing them to zero changes no result that matters.
             torch.set_flush_denormal(True)
+            configure_cpu_threads(self._cpu_threads_per_rank())
         init_distributed_environment(
             self.rank,
             self.parallel_config.tensor_parallel_size,
@@ -87,6 +89,16 @@ class Worker:
         # Weights and KV cache in tagged memory only when sleep mode may release them.
         self.memory_pool = TaggedMemoryPool(self.device) if self.cache_config.enable_sleep_mode else None
         self.model_runner = GPUModelRunner(self.config, self.device, self.memory_pool)
+
+    def _cpu_threads_per_rank(self) -> int:
+        """Local processes (the "mp" executor) share the host's `cpu_threads`: each rank takes
+        its part (at least one), so together they never run more threads than the cores."""
+        threads = self.device_config.cpu_threads
+        assert threads is not None  # resolved by DeviceConfig
+        local_ranks = (
+            self.parallel_config.world_size if self.parallel_config.distributed_executor_backend == "mp" else 1
+        )
+        return max(1, threads // local_ranks)
 
     def load_model(self) -> None:
         assert self.model_runner is not None

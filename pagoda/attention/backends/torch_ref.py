@@ -44,8 +44,8 @@ def write_kv_cache(
         key = (key.float() / kv_scales[0]).clamp(-fp8_max, fp8_max)
         value = (value.float() / kv_scales[1]).clamp(-fp8_max, fp8_max)
     for cache, rows in ((kv_cache[0], key), (kv_cache[1], value)):
-        slots_view = _copyable(cache).view(-1, num_kv_heads, head_size)
-        slots_view.index_copy_(0, idx, _copyable(rows[valid].to(kv_cache.dtype)))
+        slots_view = _copyable(cache).view(-1, num_kv_heads * head_size)
+        slots_view.index_copy_(0, idx, _copyable(rows[valid].to(kv_cache.dtype)).reshape(-1, num_kv_heads * head_size))
 
 
 def _copyable(tensor: torch.Tensor) -> torch.Tensor:
@@ -55,14 +55,18 @@ def _copyable(tensor: torch.Tensor) -> torch.Tensor:
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the first `num_tokens` slots of each row: [rows, num_tokens, Hkv, D] each.
-    `index_select` over the flattened block ids: on the CPU, `kv_cache[0, blocks]` (mixed basic
-    and advanced indexing) took ~6x longer for the same bytes."""
+    `index_select` of whole blocks (rows of a 2-D view) by int64 ids: on the CPU, `kv_cache[0,
+    blocks]` (mixed basic and advanced indexing) took ~6x longer for the same bytes, and int32
+    ids or the 4-D block shape another ~3-8x (a strided copy per element instead of one per row)."""
     num_blocks = -(num_tokens // -kv_cache.shape[2])
     blocks = block_table[:, :num_blocks]
     shape = (*blocks.shape, *kv_cache.shape[2:])
-    flat = blocks.flatten()
+    flat = blocks.flatten().long()
     k, v = (
-        torch.index_select(_copyable(cache), 0, flat).view(cache.dtype).view(shape).flatten(1, 2)[:, :num_tokens]
+        torch.index_select(_copyable(cache).flatten(1), 0, flat)
+        .view(cache.dtype)
+        .view(shape)
+        .flatten(1, 2)[:, :num_tokens]
         for cache in (kv_cache[0], kv_cache[1])
     )
     return k, v
@@ -201,7 +205,8 @@ class TorchAttentionImpl(AttentionLayerImpl):
             # Keys before every query's window may sit in blocks handed to another request.
             seen = mask.any(1)[:, :, None, None]  # [B, L, 1, 1]
             k, v = torch.where(seen, k, 0), torch.where(seen, v, 0)
-        mask = mask.repeat(1, group, 1)[:, None]  # [B, 1, group * q_len, L]
+        # [B, 1, group * q_len, L]; one query position broadcasts its row over the group (no copy).
+        mask = (mask if q_len == 1 else mask.repeat(1, group, 1))[:, None]
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.logits_soft_cap:
             cap = self.logits_soft_cap
