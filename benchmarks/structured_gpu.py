@@ -126,14 +126,15 @@ def host_only(args: argparse.Namespace) -> dict:
     compiled = backend.compile(GrammarSpec("json", json.dumps(ENDLESS_SCHEMA)))
     states = [GrammarState(compiled) for _ in range(args.batch)]
     batch = GrammarBatch()
-    bitmask = allocate_bitmask(args.batch, vocab_size, pin_memory=False)
+    mask_vocab_size = backend.mask_vocab_size  # the tokenizer's: the model's ids past it are refused
+    bitmask = allocate_bitmask(args.batch, mask_vocab_size, pin_memory=False)
     rng = np.random.default_rng(0)
     advance, fill = [], []
     for step in range(args.host_steps):
         start = time.perf_counter()
         batch.fill_bitmask(states, bitmask)
         fill.append(time.perf_counter() - start)
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :mask_vocab_size]
         tokens = [int(rng.choice(np.flatnonzero(row))) for row in bits]
         start = time.perf_counter()
         batch.accept(states, tokens)
@@ -142,6 +143,7 @@ def host_only(args: argparse.Namespace) -> dict:
     result = {
         "batch": args.batch,
         "vocab_size": vocab_size,
+        "mask_vocab_size": mask_vocab_size,
         "threads": len(batch._batches),
         "steps": args.host_steps,
         "mean_output_tokens": float(np.mean([len(state.accepted) for state in states])),

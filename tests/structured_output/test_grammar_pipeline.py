@@ -24,7 +24,7 @@ ALTERNATING = StructuredOutputsParams(regex=r"([a-e][0-4]){4}")
 
 @pytest.fixture
 def pipeline() -> GrammarPipeline:
-    pipeline = GrammarPipeline(max_rows=16, vocab_size=VOCAB, device=torch.device("cpu"), batch=GrammarBatch(1))
+    pipeline = GrammarPipeline(max_rows=16, mask_vocab_size=VOCAB, device=torch.device("cpu"), batch=GrammarBatch(1))
     yield pipeline
     pipeline.shutdown()
 
@@ -82,7 +82,7 @@ def test_a_verify_row_is_masked_per_position_up_to_a_refused_draft(backend, pipe
 def test_masks_are_laid_out_while_the_job_still_runs(backend, pipeline) -> None:
     """The loop lays out step N+1's masks before the thread is done (its ids are late here): a
     state of the job takes the job's row, a new request is filled on the loop after them, and
-    a state the job ends (eos) gets a row that allows every token (its sample is dropped)."""
+    a state the job ends (eos) takes no mask (its sample is dropped)."""
     states = [state_of(backend, ALTERNATING) for _ in range(2)]
     assert states[1].accept(list(b"a1b2c3d4"))  # at its end: eos next
     fresh = state_of(backend, ALTERNATING)
@@ -95,5 +95,5 @@ def test_masks_are_laid_out_while_the_job_still_runs(backend, pipeline) -> None:
 
     pipeline.advance([SampledGrammarRow(states[0], 0, 0), SampledGrammarRow(states[1], 1, 8)], late_ids)
     masks = pipeline.masks([MaskRequest(states[0], 0), MaskRequest(states[1], 1), MaskRequest(fresh, 2)])
-    assert entries(masks) == {0: set(b"01234"), 1: set(range(VOCAB)), 2: set(b"abcde")}
+    assert entries(masks) == {0: set(b"01234"), 2: set(b"abcde")}
     assert states[1].is_terminated and pipeline.stats.prefilled_rows == 2
