@@ -104,7 +104,8 @@ class _Buffers:
 @dataclass(frozen=True)
 class _Job:
     """A job on the thread: its buffer, its states (kept alive, so that no new state takes one's
-    id) and each one's host row by id, and the states' versions once their masks are filled."""
+    id) and each one's host row by id, and the versions of those whose masks it filled (the
+    states its advance left active)."""
 
     buffer: int
     states: tuple[GrammarState, ...]
@@ -173,7 +174,7 @@ class GrammarPipeline:
         states = [row.state for row in rows]
         active = [i for i, state in enumerate(states) if state.active]
         self.batch.fill_bitmask([states[i] for i in active], buffers.host, active)
-        versions = {id(state): state.version for state in states}
+        versions = {id(states[i]): states[i].version for i in active}
         done = time.perf_counter()
         self.stats.wait_ids += ids_ready - start
         self.stats.advance += advanced - ids_ready
@@ -235,7 +236,7 @@ class GrammarPipeline:
             if request.drafts:
                 continue
             row = rows_of.get(id(state))
-            if row is not None and (running or versions[id(state)] == state.version):
+            if row is not None and (running or versions.get(id(state)) == state.version):
                 reused.append((request.logits_start, row, state))
             elif state.active:
                 entries.append((request.logits_start, free + len(pending)))
@@ -251,8 +252,10 @@ class GrammarPipeline:
         self._current ^= 1
         filled = time.perf_counter()
         self.join()
-        # The job's states are the loop's again: one it ended (eos, a refused token) takes no mask.
-        entries[:0] = [(logits_start, row) for logits_start, row, state in reused if state.active]
+        # The job's states are the loop's again: one it left inactive (eos, a refused token) has
+        # no mask and takes none.
+        versions = latest.future.result() if latest is not None else {}
+        entries[:0] = [(start, row) for start, row, state in reused if versions.get(id(state)) == state.version]
         bitmask = self._send(entries, buffers) if entries else None
         stats = self.stats
         stats.fill += filled - start
