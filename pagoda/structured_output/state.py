@@ -61,8 +61,9 @@ class GrammarState:
 
     @property
     def in_grammar(self) -> bool:
-        """Whether the next token goes to the grammar's matcher alone."""
-        return self.grammar_start is not None and self.active
+        """Whether the next token goes to the grammar's matcher alone: `active` in the grammar's
+        phase, spelled out (a step's advance asks it of every row)."""
+        return self.grammar_start is not None and not self.failed and not self._matcher.is_terminated()
 
     def accept(self, token_ids: list[int], tentative: bool = False) -> bool:
         """Advance over `token_ids`; False at the first one refused, which fails the state, or
