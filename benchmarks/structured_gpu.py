@@ -18,10 +18,11 @@ schema's matchers advanced over tokens drawn from their own masks, one step at a
 CUDA the mask kernel on [batch, vocab] logits.
 
     python benchmarks/structured_gpu.py --model qwen3-0.6b --tokenizer DIR [--num-prompts 256]
-    python benchmarks/structured_gpu.py --tokenizer DIR --host-only [--batch 256]
+    python benchmarks/structured_gpu.py --tokenizer DIR --host-only [--batch 256] [--threads 1]
 
 Dummy weights need a tokenizer for a grammar: pass one with --tokenizer (a directory with
-tokenizer.json; the masks cover the model's vocabulary, the ids past the tokenizer's stay masked).
+tokenizer.json; the masks cover the tokenizer's vocabulary, the mask pass refuses the model's ids
+past it).
 """
 
 from __future__ import annotations
@@ -125,15 +126,16 @@ def host_only(args: argparse.Namespace) -> dict:
     backend = GrammarBackend(tokenizer, vocab_size, [tokenizer.eos_token_id])
     compiled = backend.compile(GrammarSpec("json", json.dumps(ENDLESS_SCHEMA)))
     states = [GrammarState(compiled) for _ in range(args.batch)]
-    batch = GrammarBatch()
-    bitmask = allocate_bitmask(args.batch, vocab_size, pin_memory=False)
+    batch = GrammarBatch(args.threads)
+    mask_vocab_size = backend.mask_vocab_size  # the tokenizer's: the model's ids past it are refused
+    bitmask = allocate_bitmask(args.batch, mask_vocab_size, pin_memory=False)
     rng = np.random.default_rng(0)
     advance, fill = [], []
     for step in range(args.host_steps):
         start = time.perf_counter()
         batch.fill_bitmask(states, bitmask)
         fill.append(time.perf_counter() - start)
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :mask_vocab_size]
         tokens = [int(rng.choice(np.flatnonzero(row))) for row in bits]
         start = time.perf_counter()
         batch.accept(states, tokens)
@@ -142,6 +144,7 @@ def host_only(args: argparse.Namespace) -> dict:
     result = {
         "batch": args.batch,
         "vocab_size": vocab_size,
+        "mask_vocab_size": mask_vocab_size,
         "threads": len(batch._batches),
         "steps": args.host_steps,
         "mean_output_tokens": float(np.mean([len(state.accepted) for state in states])),
@@ -180,6 +183,9 @@ def main() -> None:
     parser.add_argument("--host-only", action="store_true", help="the masks' cost at --batch rows, no model")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--host-steps", type=int, default=60)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="--host-only: GrammarBatch's threads (default: its own)"
+    )
     parser.add_argument("--vocab-size", type=int, default=151_936, help="--host-only: the model's vocabulary")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()

@@ -3,6 +3,8 @@ caches built by hand, without the model runner."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
@@ -171,11 +173,16 @@ def randomize_(model: torch.nn.Module) -> None:
 TINY_CONFIGS = _tiny_configs()
 
 
-def save_tiny_checkpoint(name: str, path: str, sharded: bool = False) -> torch.nn.Module:
+def save_tiny_checkpoint(name: str, path: str, sharded: bool = False, vocab_size: int = VOCAB) -> torch.nn.Module:
     """Save a tiny random model of architecture `name` (a key of TINY_CONFIGS) with
-    `save_pretrained`; returns the HF model, in eval mode."""
+    `save_pretrained` (`vocab_size` past VOCAB: padding past the byte tokenizer's ids); returns
+    the HF model, in eval mode."""
     torch.manual_seed(1234)
-    hf_model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name], dtype=torch.float32)
+    config = TINY_CONFIGS[name]
+    if vocab_size != config.vocab_size:
+        config = copy.deepcopy(config)
+        config.vocab_size = vocab_size
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_(hf_model)
     hf_model.eval()
     hf_model.save_pretrained(path, max_shard_size="100KB" if sharded else "1GB")

@@ -123,8 +123,8 @@ def process_logits(
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask) -> None:
     """In place: row `bitmask.rows[i]` keeps token t only where bit t % 32 of word t // 32 of
-    its words row is set (xgrammar's layout); other rows are untouched. On CUDA one Triton
-    kernel that writes only the refused logits; elsewhere torch ops."""
+    its words row is set (xgrammar's layout), tokens past its words refused; other rows are
+    untouched. On CUDA one Triton kernel that writes only the refused logits; elsewhere torch ops."""
     if logits.is_cuda and triton_bitmask.available():
         triton_bitmask.apply_token_bitmask_triton(logits, bitmask.rows, bitmask.words, bitmask.word_rows)
         return
@@ -134,7 +134,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask) -> None:
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     bits = (words[:, :, None] >> shifts).bitwise_and_(1).view(num_rows, -1)[:, :vocab_size]
     rows = logits.index_select(0, bitmask.rows)
-    rows.masked_fill_(bits == 0, float("-inf"))
+    rows[:, : bits.shape[1]].masked_fill_(bits == 0, float("-inf"))
+    rows[:, bits.shape[1] :] = float("-inf")
     logits.index_copy_(0, bitmask.rows, rows)
 
 

@@ -25,7 +25,7 @@ class TokenBitmask:
     read them (the next step's copy into the same buffer waits for that)."""
 
     rows: torch.Tensor  # [R] int64, index into the step's sampled rows
-    words: torch.Tensor  # [M, ceil(V / 32)] int32
+    words: torch.Tensor  # [M, W] int32, W <= ceil(V / 32): tokens from 32 W on are refused
     word_rows: torch.Tensor | None = None  # [R] int64: each entry's row of `words`; None: entry i's is i
     ready: torch.cuda.Event | None = None
     applied: torch.cuda.Event | None = None

@@ -3,7 +3,9 @@
 The torch path unpacks every mask to a [R, V] temporary and copies the masked rows out and
 back (about 1 GB of traffic at 256 rows of a 150k vocabulary, a quarter of a millisecond on an
 H200); the kernel reads 4 bytes of mask per 32 tokens and writes only the logits it refuses.
-Logits row `rows[i]` takes mask row `word_rows[i]` (i when None), in any float dtype.
+Logits row `rows[i]` takes mask row `word_rows[i]` (i when None), in any float dtype; tokens past
+the mask's words are refused (the masks cover the grammars' vocabulary, which may stop short of
+the model's).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def apply_token_bitmask_triton(
     num_rows = len(rows)
     if num_rows == 0:
         return
-    vocab_size = min(logits.shape[-1], words.shape[-1] * 32)
+    vocab_size = logits.shape[-1]
     grid = (num_rows, triton.cdiv(vocab_size, _BLOCK_SIZE))
     _apply_token_bitmask_kernel[grid](
         logits,
@@ -38,6 +40,7 @@ def apply_token_bitmask_triton(
         rows if word_rows is None else word_rows,
         words,
         words.stride(0),
+        words.shape[-1],
         vocab_size,
         HAS_WORD_ROWS=word_rows is not None,
         BLOCK_SIZE=_BLOCK_SIZE,
@@ -55,6 +58,7 @@ if triton is not None:
         word_rows_ptr,
         words_ptr,
         words_stride,
+        num_words,
         vocab_size,
         HAS_WORD_ROWS: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
@@ -66,7 +70,7 @@ if triton is not None:
         if HAS_WORD_ROWS:
             word_row = tl.load(word_rows_ptr + entry).to(tl.int64)
         word_index = block * (BLOCK_SIZE // 32) + tl.arange(0, BLOCK_SIZE // 32)
-        packed = tl.load(words_ptr + word_row * words_stride + word_index, mask=word_index * 32 < vocab_size, other=0)
+        packed = tl.load(words_ptr + word_row * words_stride + word_index, mask=word_index < num_words, other=0)
         refused = ((packed[:, None] >> tl.arange(0, 32)[None, :]) & 1) == 0
         refused = tl.reshape(refused, (BLOCK_SIZE,))
         tokens = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)

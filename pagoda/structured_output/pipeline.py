@@ -104,7 +104,8 @@ class _Buffers:
 @dataclass(frozen=True)
 class _Job:
     """A job on the thread: its buffer, its states (kept alive, so that no new state takes one's
-    id) and each one's host row by id, and the states' versions once their masks are filled."""
+    id) and each one's host row by id, and the versions of those whose masks it filled (the
+    states its advance left active)."""
 
     buffer: int
     states: tuple[GrammarState, ...]
@@ -112,17 +113,18 @@ class _Job:
     future: Future[dict[int, int]]
 
 
-ALL_TOKENS = -1  # an int32 word with every bit set: a row the grammar does not constrain
-
-
 class GrammarPipeline:
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, batch: GrammarBatch | None = None) -> None:
+    def __init__(
+        self, max_rows: int, mask_vocab_size: int, device: torch.device, batch: GrammarBatch | None = None
+    ) -> None:
+        """`mask_vocab_size`: the grammars' vocabulary (`GrammarBackend.mask_vocab_size`), which
+        the masks cover; the mask pass refuses the model's ids past it."""
         self.batch = batch or GrammarBatch()  # the thread's, and the loop's while no job runs
         self._loop_batch = GrammarBatch(num_threads=1)  # the loop's while a job runs
         cuda = device.type == "cuda"
         self._buffers = [
             _Buffers(
-                allocate_bitmask(max_rows, vocab_size, pin_memory=cuda),
+                allocate_bitmask(max_rows, mask_vocab_size, pin_memory=cuda),
                 torch.zeros((2, max_rows), dtype=torch.int64, pin_memory=cuda),
                 torch.cuda.Event() if cuda else None,
             )
@@ -171,10 +173,8 @@ class GrammarPipeline:
         advanced = time.perf_counter()
         states = [row.state for row in rows]
         active = [i for i, state in enumerate(states) if state.active]
-        if len(active) < len(states):
-            buffers.host[[i for i, state in enumerate(states) if not state.active]] = ALL_TOKENS
         self.batch.fill_bitmask([states[i] for i in active], buffers.host, active)
-        versions = {id(state): state.version for state in states}
+        versions = {id(states[i]): states[i].version for i in active}
         done = time.perf_counter()
         self.stats.wait_ids += ids_ready - start
         self.stats.advance += advanced - ids_ready
@@ -228,18 +228,16 @@ class GrammarPipeline:
         if buffers.copied is not None:
             buffers.copied.synchronize()  # the loop writes this buffer too (copied long ago)
         free = len(rows_of)
+        reused: list[tuple[int, int, GrammarState]] = []  # (row among the logits, the job's row, state)
         entries: list[tuple[int, int]] = []  # (row among the logits, row of the host masks)
         pending: list[GrammarState] = []
-        reused = 0
         for request in requests:
             state = request.state
             if request.drafts:
                 continue
             row = rows_of.get(id(state))
-            if row is not None and (running or versions[id(state)] == state.version):
-                reused += 1
-                if running or state.active:  # a running job's inactive rows allow every token
-                    entries.append((request.logits_start, row))
+            if row is not None and (running or versions.get(id(state)) == state.version):
+                reused.append((request.logits_start, row, state))
             elif state.active:
                 entries.append((request.logits_start, free + len(pending)))
                 pending.append(state)
@@ -253,6 +251,11 @@ class GrammarPipeline:
         self._latest = None  # its rows are read (or stale): the next job writes the other buffer
         self._current ^= 1
         filled = time.perf_counter()
+        self.join()
+        # The job's states are the loop's again: one it left inactive (eos, a refused token) has
+        # no mask and takes none.
+        versions = latest.future.result() if latest is not None else {}
+        entries[:0] = [(start, row) for start, row, state in reused if versions.get(id(state)) == state.version]
         bitmask = self._send(entries, buffers) if entries else None
         stats = self.stats
         stats.fill += filled - start
@@ -261,7 +264,7 @@ class GrammarPipeline:
             stats.steps += 1
             stats.rows += len(entries)
             stats.max_rows = max(stats.max_rows, len(entries))
-            stats.prefilled_rows += reused
+            stats.prefilled_rows += len(reused)
         return bitmask
 
     def _needs_join(self, requests: list[MaskRequest]) -> bool:
@@ -303,7 +306,7 @@ class GrammarPipeline:
         return free
 
     def _send(self, entries: list[tuple[int, int]], buffers: _Buffers) -> TokenBitmask:
-        """The masks of `entries` for the sampler, once the thread's jobs are joined: on CUDA
+        """The masks of `entries` for the sampler (the thread's jobs joined): on CUDA
         copied on the side stream, behind the last sampler's read of the device buffers; on
         the CPU the host buffers themselves."""
         num = len(entries)
@@ -312,7 +315,6 @@ class GrammarPipeline:
         staged[:] = np.array(entries, dtype=np.int64).T
         identity = bool((staged[1] == np.arange(num)).all())
         num_words = 1 + int(staged[1].max())
-        self.join()
         if self._stream is None:
             return TokenBitmask(
                 rows=index[0, :num], words=buffers.host[:num_words], word_rows=None if identity else index[1, :num]

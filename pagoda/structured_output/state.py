@@ -61,8 +61,9 @@ class GrammarState:
 
     @property
     def in_grammar(self) -> bool:
-        """Whether the next token goes to the grammar's matcher alone."""
-        return self.grammar_start is not None and self.active
+        """Whether the next token goes to the grammar's matcher alone: `active` in the grammar's
+        phase, spelled out (a step's advance asks it of every row)."""
+        return self.grammar_start is not None and not self.failed and not self._matcher.is_terminated()
 
     def accept(self, token_ids: list[int], tentative: bool = False) -> bool:
         """Advance over `token_ids`; False at the first one refused, which fails the state, or
@@ -159,14 +160,16 @@ def _allow(row: torch.Tensor, token_id: int) -> None:
 
 
 class GrammarBatch:
-    """Advances and fills a step's grammar states together, split over threads.
+    """Advances a step's grammar states together, and fills their masks split over threads.
 
-    xgrammar's batch calls release the GIL, but its batch accept walks the matchers one after
-    another: at batch 256 on the H200's host that walk took ~5 ms a step (advancing costs tens
-    of microseconds a row there), as long as the forward it is meant to hide behind. Chunks of
-    at least MIN_ROWS_PER_THREAD rows go to up to `num_threads` threads at once."""
+    xgrammar's batch calls release the GIL but walk the matchers one after another: a mask
+    fill costs a few microseconds a row (~2.5 on the 2-core CPU machine at a 49k vocabulary),
+    an accept about 1 once the grammars' vocabulary stops at the tokenizer's (backend.py).
+    Chunks of at least MIN_ROWS_PER_THREAD rows go to up to `num_threads` threads at once: a
+    chunk is worth a thread's wake-up and join (tens of microseconds on an idle host, a time
+    slice on a busy one) only when it holds a hundred microseconds or more of xgrammar's work."""
 
-    MIN_ROWS_PER_THREAD = 16
+    MIN_ROWS_PER_THREAD = 64
 
     def __init__(self, num_threads: int | None = None) -> None:
         self._num_threads = num_threads or min(8, usable_cpu_count())
@@ -197,11 +200,11 @@ class GrammarBatch:
                 state.accept([token_id])
         if not pairs:
             return
-        matchers = [state._matcher for state, _ in pairs]
-        tokens = [token_id for _, token_id in pairs]
-        chunks = self._run(lambda batch, lo, hi: batch.batch_accept_token(matchers[lo:hi], tokens[lo:hi]), len(pairs))
-        for (state, token_id), accepted in zip(pairs, itertools.chain.from_iterable(chunks), strict=True):
-            state._record(token_id, accepted)
+        # On this thread alone: at ~1 us a row, splitting saved less than it cost (the host-only
+        # benchmark's advance at 256 rows on 2 threads of the 2-core machine: 14-22 ms, 1.3 on one).
+        accepted = self._batches[0].batch_accept_token([state._matcher for state, _ in pairs], [t for _, t in pairs])
+        for (state, token_id), ok in zip(pairs, accepted, strict=True):
+            state._record(token_id, ok)
 
     def fill_bitmask(self, states: list[GrammarState], bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
         """Write active state i's allowed next tokens into `bitmask[rows[i]]` (row i without

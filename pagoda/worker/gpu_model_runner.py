@@ -706,11 +706,13 @@ class GPUModelRunner:
         """What advances the grammars and fills their masks (made with the first use): room for
         a mask per logits row of a verify step, plus the masks its thread filled ahead."""
         if self._grammar_pipeline is None:
+            from pagoda.structured_output.backend import get_backend
             from pagoda.structured_output.pipeline import GrammarPipeline
 
             speculative = self.config.speculative_config
             positions = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
-            self._grammar_pipeline = GrammarPipeline(self.max_num_reqs * (positions + 2), self.vocab_size, self.device)
+            mask_vocab_size = get_backend(self.model_config).mask_vocab_size
+            self._grammar_pipeline = GrammarPipeline(self.max_num_reqs * (positions + 2), mask_vocab_size, self.device)
         return self._grammar_pipeline
 
     def _write_new_token_ids(self, state: CachedRequestState, token_ids: list[int]) -> None:

@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 import torch
 from engine_utils import smollm2_gguf_path
+from model_utils import VOCAB as TOKENIZER_VOCAB
 from model_utils import save_tiny_checkpoint
 from structured_output.byte_tokenizer import save_byte_tokenizer
 
@@ -412,3 +413,33 @@ def test_async_pipelining_keeps_outputs_under_a_grammar_that_changes_every_step(
     for token_ids, finish_reason in results[1]:
         assert finish_reason == "stop" and re.fullmatch(r"([a-e][0-4]){6}", bytes(token_ids[:-1]).decode())
     assert stats.prefilled_rows >= 4 * 10  # the async run's masks came from the thread, not the loop
+
+
+def test_a_model_vocabulary_padded_past_the_tokenizer_s(tmp_path) -> None:
+    """The grammars cover the tokenizer's ids alone (xgrammar would scan the padding on every
+    accepted token) and the mask pass refuses the model's ids past them: a padding id biased
+    +100 is what random weights pick unconstrained, never under the grammar."""
+    path = str(tmp_path)
+    save_tiny_checkpoint("qwen2", path, vocab_size=TOKENIZER_VOCAB + 64)
+    save_byte_tokenizer(path)
+    llm = LLM(model=path, device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks=64, async_scheduling=True)
+    padding = TOKENIZER_VOCAB + 10
+    structured = StructuredOutputsParams(json=TINY_SCHEMA)
+    params = [
+        SamplingParams(
+            temperature=0.9 * i, seed=i, max_tokens=40, logit_bias={padding: 100.0}, structured_outputs=structured
+        )
+        for i in range(2)
+    ]
+    plain = SamplingParams(temperature=0, max_tokens=2, logit_bias={padding: 100.0})
+    prompt = [(5 * j) % 200 + 40 for j in range(20)]
+    *constrained, unconstrained = generate(llm, [prompt] * 3, [*params, plain])
+    assert list(unconstrained.outputs[0].token_ids) == [padding, padding]
+    assert get_backend(llm.llm_engine.config.model_config).mask_vocab_size == TOKENIZER_VOCAB
+    for output in constrained:
+        sample = output.outputs[0]
+        assert padding not in sample.token_ids
+        if sample.finish_reason == "stop":
+            jsonschema.validate(json.loads(sample.text), TINY_SCHEMA)
+        else:
+            assert is_valid_prefix(llm, structured, sample.token_ids), sample.text

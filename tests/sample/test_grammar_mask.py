@@ -36,6 +36,17 @@ def test_rows_keep_exactly_their_allowed_tokens(device: str) -> None:
     assert torch.equal(logits[1], reference[1])
 
 
+def test_tokens_past_the_mask_s_words_are_refused(device: str) -> None:
+    """Masks may stop short of the logits (the grammars' vocabulary is the tokenizer's, the
+    model's pads past it): the ids past their words are refused, the rest as their bits say."""
+    logits = torch.randn(2, VOCAB + 40, device=device)
+    reference = logits.clone()
+    allowed = {0, 33, 69}
+    apply_token_bitmask(logits, TokenBitmask(torch.tensor([1], device=device), bitmask_of([allowed]).to(device)))
+    assert set(torch.nonzero(torch.isfinite(logits[1])).flatten().tolist()) == allowed
+    assert torch.equal(logits[0], reference[0])
+
+
 def test_the_mask_is_the_last_pass_and_only_when_a_row_is_constrained(device: str) -> None:
     assert isinstance(LOGITS_PROCESSORS[-1], GrammarMask)
     metadata = make_metadata([1.0, 1.0], [0, 0], [0, 0], device=device)
@@ -93,6 +104,14 @@ def test_the_triton_kernel_masks_as_the_torch_path() -> None:
         assert torch.equal(masked.cpu(), expected)
         masked = logits.to(device)
         triton_bitmask.apply_token_bitmask_triton(masked, rows, words[[2, 0]], None)
+        assert torch.equal(masked.cpu(), expected)
+        # Words short of the logits (the first 100 of 141): the tokens past them are refused.
+        short = TokenBitmask(mask.rows, mask.words[:, :100].contiguous(), mask.word_rows)
+        expected = logits.clone()
+        apply_token_bitmask(expected, short)
+        assert torch.isinf(expected[[3, 0], 3200:]).all()
+        masked = logits.to(device)
+        triton_bitmask.apply_token_bitmask_triton(masked, rows, short.words.to(device), word_rows)
         assert torch.equal(masked.cpu(), expected)
 
 

@@ -1,13 +1,20 @@
-"""The backend: specs checked without a tokenizer (errors name the field), compiled and cached."""
+"""The backend: specs checked without a tokenizer (errors name the field), compiled and cached;
+the grammars' vocabulary is the tokenizer's, whatever the model pads past it."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from structured_output.byte_tokenizer import byte_tokenizer
+from structured_output.conftest import EOS_ID, VOCAB
 
 from pagoda.errors import InvalidRequestError
+from pagoda.sample.logits_processing import apply_token_bitmask
+from pagoda.sample.metadata import TokenBitmask
 from pagoda.sampling_params import StructuredOutputsParams
-from pagoda.structured_output.backend import check
+from pagoda.structured_output.backend import GrammarBackend, check, grammar_vocab_size
 from pagoda.structured_output.spec import GrammarSpec
+from pagoda.structured_output.state import GrammarBatch, GrammarState, allocate_bitmask
 
 VALID = [
     StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
@@ -57,3 +64,18 @@ def test_a_schema_dict_and_its_text_keep_property_order() -> None:
         StructuredOutputsParams(json=schema)
     ).text.index('"a"')
     assert GrammarSpec.of(StructuredOutputsParams(json_object=True)) == GrammarSpec("json_object", "")
+
+
+def test_the_grammars_vocabulary_stops_at_the_tokenizer_s() -> None:
+    """A model vocabulary padded past the tokenizer's: the grammars and their masks cover the
+    tokenizer's ids alone (xgrammar would scan the padding on every accept), and the mask pass
+    refuses the padding as the grammar refuses it."""
+    padded = GrammarBackend(byte_tokenizer(), VOCAB + 100, [EOS_ID])
+    assert (padded.vocab_size, padded.mask_vocab_size, padded.tokenizer_info.vocab_size) == (VOCAB + 100, VOCAB, VOCAB)
+    assert grammar_vocab_size(byte_tokenizer(), VOCAB - 6) == VOCAB - 6  # a model short of the tokenizer
+    state = GrammarState(padded.compile(GrammarSpec.of(StructuredOutputsParams(regex="[ab]+"))))
+    words = allocate_bitmask(1, padded.mask_vocab_size, pin_memory=False)
+    GrammarBatch(num_threads=1).fill_bitmask([state], words)
+    logits = torch.zeros(1, padded.vocab_size)
+    apply_token_bitmask(logits, TokenBitmask(torch.tensor([0]), words))
+    assert set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist()) == set(b"ab")

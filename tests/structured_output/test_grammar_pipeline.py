@@ -24,7 +24,7 @@ ALTERNATING = StructuredOutputsParams(regex=r"([a-e][0-4]){4}")
 
 @pytest.fixture
 def pipeline() -> GrammarPipeline:
-    pipeline = GrammarPipeline(max_rows=16, vocab_size=VOCAB, device=torch.device("cpu"), batch=GrammarBatch(1))
+    pipeline = GrammarPipeline(max_rows=16, mask_vocab_size=VOCAB, device=torch.device("cpu"), batch=GrammarBatch(1))
     yield pipeline
     pipeline.shutdown()
 
@@ -82,7 +82,7 @@ def test_a_verify_row_is_masked_per_position_up_to_a_refused_draft(backend, pipe
 def test_masks_are_laid_out_while_the_job_still_runs(backend, pipeline) -> None:
     """The loop lays out step N+1's masks before the thread is done (its ids are late here): a
     state of the job takes the job's row, a new request is filled on the loop after them, and
-    a state the job ends (eos) gets a row that allows every token (its sample is dropped)."""
+    a state the job ends (eos) takes no mask (its sample is dropped)."""
     states = [state_of(backend, ALTERNATING) for _ in range(2)]
     assert states[1].accept(list(b"a1b2c3d4"))  # at its end: eos next
     fresh = state_of(backend, ALTERNATING)
@@ -95,5 +95,29 @@ def test_masks_are_laid_out_while_the_job_still_runs(backend, pipeline) -> None:
 
     pipeline.advance([SampledGrammarRow(states[0], 0, 0), SampledGrammarRow(states[1], 1, 8)], late_ids)
     masks = pipeline.masks([MaskRequest(states[0], 0), MaskRequest(states[1], 1), MaskRequest(fresh, 2)])
-    assert entries(masks) == {0: set(b"01234"), 1: set(range(VOCAB)), 2: set(b"abcde")}
+    assert entries(masks) == {0: set(b"01234"), 2: set(b"abcde")}
     assert states[1].is_terminated and pipeline.stats.prefilled_rows == 2
+
+
+def test_rows_split_over_threads_give_the_one_thread_masks(backend) -> None:
+    """A job's rows advanced and filled in spans on three threads: the same masks, step by step,
+    and the same states as on one thread (rows of several grammars, one ending early)."""
+    specs = [ALTERNATING, StructuredOutputsParams(choice=["ab", "abab"]), StructuredOutputsParams(regex=r"[a-c]+")]
+    threaded = GrammarBatch(3)
+    threaded.MIN_ROWS_PER_THREAD = 2  # three spans of the nine rows
+    runs = []
+    for batch in (GrammarBatch(1), threaded):
+        pipeline = GrammarPipeline(max_rows=32, mask_vocab_size=VOCAB, device=torch.device("cpu"), batch=batch)
+        states = [state_of(backend, specs[i % 3]) for i in range(9)]
+        steps = []
+        for step in range(6):
+            masks = entries(pipeline.masks([MaskRequest(state, i) for i, state in enumerate(states)]))
+            steps.append(masks)
+            # Each row takes its allowed token at a rank of its own (eos where that is all).
+            ids = np.array([[sorted(masks[i])[(i + step) % len(masks[i])] if i in masks else EOS_ID] for i in range(9)])
+            pipeline.advance([SampledGrammarRow(state, i, step) for i, state in enumerate(states)], lambda ids=ids: ids)
+        pipeline.join()
+        pipeline.shutdown()
+        runs.append((steps, [(s.accepted, s.failed, s.is_terminated) for s in states]))
+    assert runs[1] == runs[0]
+    assert any(terminated for _, _, terminated in runs[0][1]) and not any(failed for _, failed, _ in runs[0][1])

@@ -61,8 +61,9 @@ def test_rollback_and_sync_to_another_history(backend) -> None:
 
 @pytest.mark.parametrize("num_threads", [1, 3], ids=["one-thread", "three-threads"])
 def test_a_batch_advances_and_fills_as_each_state_alone(backend, num_threads: int) -> None:
-    """GrammarBatch (batch calls, rows split over threads) against the states advanced and filled
-    one by one; a refused token fails only its own state, and inactive states are left alone."""
+    """GrammarBatch (one batch accept, masks filled in spans over threads) against the states
+    advanced and filled one by one; a refused token fails only its own state, and inactive
+    states are left alone."""
     specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(choice=["yes", "no"])] * 3
     alone, batched = ([state_of(backend, spec) for spec in specs] for _ in range(2))
     batch = GrammarBatch(num_threads)
