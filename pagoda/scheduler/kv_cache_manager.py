@@ -205,7 +205,7 @@ class KVCacheManager:
         changing nothing but the freeing, when the pool has too few free blocks.
         """
         req_id = request.request_id
-        if new_computed_blocks is None and self._holds_tokens(req_id, request.num_computed_tokens + num_new_tokens):
+        if new_computed_blocks is None and self.holds_tokens(request, request.num_computed_tokens + num_new_tokens):
             return tuple([] for _ in self.managers)
         hits = new_computed_blocks or tuple([] for _ in self.managers)
         num_hit_tokens = len(hits[0]) * self.managers[0].block_size
@@ -234,11 +234,9 @@ class KVCacheManager:
         """True when a running request's blocks already hold `num_tokens` tokens in every group
         and no group lets blocks go as tokens advance: allocating would change nothing (the
         common decode step, whose current block still has room)."""
-        return self._holds_tokens(request.request_id, num_tokens)
-
-    def _holds_tokens(self, req_id: str, num_tokens: int) -> bool:
         if self._frees_skipped_blocks:
             return False
+        req_id = request.request_id
         return all(manager.holds_tokens(req_id, num_tokens) for manager in self.managers)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
