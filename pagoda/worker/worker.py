@@ -64,6 +64,9 @@ class Worker:
         # The runner's last output while its sampled ids may be in flight; resolved once the
         # next step is launched, so every rank's token history fills in (not only the driver's).
         self._unresolved: deque[AsyncModelRunnerOutput] = deque()
+        # Device bytes in use outside torch's allocator when this worker took the device (other
+        # processes', this one's CUDA context): not this engine's to budget.
+        self._used_at_start = 0
 
     def init_device(self) -> None:
         if self.device_config.is_cuda:
@@ -71,6 +74,7 @@ class Worker:
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
             self.device = torch.device(f"cuda:{self.local_rank}")
             torch.cuda.set_device(self.device)
+            self._used_at_start = self._check_free_memory()
         else:
             self.device = torch.device("cpu")
             # Tiny activations (random dummy weights, long residual chains) turn denormal and make
@@ -90,6 +94,22 @@ class Worker:
         self.memory_pool = TaggedMemoryPool(self.device) if self.cache_config.enable_sleep_mode else None
         self.model_runner = GPUModelRunner(self.config, self.device, self.memory_pool)
 
+    def _check_free_memory(self) -> int:
+        """Device bytes in use outside this process's torch allocator (other processes', this
+        one's CUDA context); refuses to start where the rest cannot hold the share
+        `gpu_memory_utilization` asks for. Memory torch holds cached but unallocated counts as free."""
+        free, total = torch.cuda.mem_get_info()
+        reserved = torch.cuda.memory_reserved()
+        usable = free + reserved - torch.cuda.memory_allocated()
+        wanted = total * self.cache_config.gpu_memory_utilization
+        if usable < wanted:
+            raise ValueError(
+                f"gpu_memory_utilization={self.cache_config.gpu_memory_utilization} asks for "
+                f"{wanted / GiB:.2f} GiB of cuda:{self.local_rank}, but only {usable / GiB:.2f} GiB of its "
+                f"{total / GiB:.2f} GiB are free (other processes hold the rest): lower it"
+            )
+        return total - free - reserved
+
     def _cpu_threads_per_rank(self) -> int:
         """Local processes (the "mp" executor) share the host's `cpu_threads`: each rank takes
         its part (at least one), so together they never run more threads than the cores."""
@@ -108,8 +128,10 @@ class Worker:
         """Bytes the KV cache may take on this device.
 
         CUDA: total x gpu_memory_utilization minus the peak of a profile run (weights, LoRA
-        slots included, and the largest batch's activations, sampler included), the memory held outside torch's
-        allocator, and what the CUDA graphs will take (measured on scratch captures). CPU:
+        slots included, and the largest batch's activations, sampler included), the memory this
+        engine holds outside torch's allocator, and what the CUDA graphs will take (measured on
+        scratch captures); what the device held when the worker took it (another engine sharing
+        the GPU) is not counted, so two engines at 0.4 each fit on one device. CPU:
         the configured `cpu_kv_cache_gib`.
         """
         assert self.model_runner is not None
@@ -125,7 +147,9 @@ class Worker:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         peak = torch.cuda.max_memory_allocated()
-        non_torch = (total - free) - torch.cuda.memory_reserved()  # includes the tagged weights
+        # What this engine holds outside torch's allocator since it took the device: the tagged
+        # weights, NCCL's buffers; other processes' memory stays out of its budget.
+        non_torch = (total - free) - torch.cuda.memory_reserved() - self._used_at_start
         torch.cuda.empty_cache()
         graphs = self.model_runner.profile_cudagraph_memory()
         available = int(total * self.cache_config.gpu_memory_utilization - peak - non_torch - graphs)
