@@ -7,7 +7,9 @@ decode records a torch profiler trace: GPU kernel time by kernel, host time by
 phase, and the step's wall time, so the gap between GPU busy time and wall time (host
 overhead the GPU waits for) shows. With `--step-times RUNS`, instead: RUNS single-request
 generations of 128 tokens one after another, every engine step's wall time printed, which
-shows the stalls a per-token mean hides (a collector pass, a first-time compile). Usage, from
+shows the stalls a per-token mean hides (a collector pass, a first-time compile): a step that
+runs past `--stall-ms` dumps every thread's Python stack to stderr (faulthandler) while it is
+still stuck, and collector passes during a step are printed with their generation. Usage, from
 the repo root:
 
     python benchmarks/profile_steps.py --model qwen3-0.6b --load-format dummy [--trace out.json.gz]
@@ -21,6 +23,9 @@ the repo root:
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import gc
+import sys
 import time
 
 import torch
@@ -36,18 +41,34 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def print_step_times(engine, runs: int, prompt_len: int = 32, output_len: int = 128) -> None:
+def print_step_times(engine, runs: int, stall_ms: float, prompt_len: int = 32, output_len: int = 128) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    collections: list[tuple[int, float]] = []  # (generation, start) of the passes in this step
+    gc_starts: dict[int, float] = {}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_starts[info["generation"]] = time.perf_counter()
+        else:
+            collections.append((info["generation"], time.perf_counter() - gc_starts.pop(info["generation"], 0.0)))
+
+    gc.callbacks.append(on_gc)
     for run in range(runs):
         engine.add_request(list(range(100 + run, 100 + run + prompt_len)), params, request_id=f"single-{run}")
         step_ms = []
         start = time.perf_counter()
         while engine.has_unfinished_requests():
+            collections.clear()
+            faulthandler.dump_traceback_later(stall_ms / 1e3, exit=False)
             step_start = time.perf_counter()
             engine.step()
             step_ms.append(1e3 * (time.perf_counter() - step_start))
+            faulthandler.cancel_dump_traceback_later()
+            for generation, seconds in collections:
+                print(f"  step {len(step_ms) - 1}: gc generation {generation} {1e3 * seconds:.1f} ms", file=sys.stderr)
         total = 1e3 * (time.perf_counter() - start)
         print(f"run {run}: {total:.1f} ms, {len(step_ms)} steps, ms each: " + " ".join(f"{ms:.1f}" for ms in step_ms))
+    gc.callbacks.remove(on_gc)
 
 
 def main() -> None:
@@ -64,6 +85,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--disable-prefix-caching", action="store_true", help="as `pagoda bench latency` runs")
     parser.add_argument("--step-times", type=int, default=0, help="RUNS: time each step of single requests instead")
+    parser.add_argument(
+        "--stall-ms", type=float, default=100.0, help="--step-times: dump the stacks of a step this slow"
+    )
     args = parser.parse_args()
 
     llm = LLM(
@@ -76,7 +100,7 @@ def main() -> None:
     )
     engine = llm.llm_engine
     if args.step_times:
-        print_step_times(engine, args.step_times)
+        print_step_times(engine, args.step_times, args.stall_ms)
         return
     workload = nanobench_workload(args.num_prompts)
     prompts, sampling_params = workload.prompts, workload.sampling_params()
