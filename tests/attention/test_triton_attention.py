@@ -21,6 +21,7 @@ from pagoda.attention.backends import AttentionLimits
 from pagoda.attention.backends.torch_ref import TorchAttentionImpl
 from pagoda.attention.backends.triton import TritonAttentionImpl, TritonMetadataBuilder
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.attention.ops import triton_unified_attention
 from pagoda.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from pagoda.attention.ops.triton_unified_attention import (
     SplitKWorkspace,
@@ -718,6 +719,28 @@ def test_verify_batch_shorter_rows_and_a_larger_bound() -> None:
     batch = make_batch([5, 1, 3, 2, 5], [31, 0, 16, 47, 1], group=4, num_kv_heads=2, num_pad_tokens=4, num_pad_reqs=3)
     for decode_query_len in (5, 8):
         check(batch, num_splits=2, decode_query_len=decode_query_len)
+
+
+@pytest.mark.parametrize("max_drafts", [0, 1, 3])
+def test_verify_tiles_have_one_width_whatever_the_drafts(monkeypatch, max_drafts: int) -> None:
+    """Steps whose drafts were capped (near max_tokens) launch the same q-token tiles as full
+    verify steps, and decodes 1-token tiles: two compiled widths, none first met mid-run."""
+    kernel = triton_unified_attention._paged_attention_kernel
+    widths: list[int] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                widths.append(kwargs["BLOCK_Q"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_unified_attention, "_paged_attention_kernel", Recorder())
+    query_lens = [1 + max_drafts, 1, 1 + max_drafts // 2]
+    batch = make_batch(query_lens, [17, 3, 0], group=2, num_kv_heads=1, num_pad_tokens=2, num_pad_reqs=1)
+    check(batch, num_splits=1, decode_query_len=5)
+    assert widths == [1 if max_drafts == 0 else 5]
 
 
 def test_verify_batch_half_precision(half_dtype: torch.dtype) -> None:

@@ -374,8 +374,8 @@ def unified_attention(
     `tiles` fixes the launch shape (batch-invariant mode: INVARIANT_TILES, prefill-tile layout
     for every batch). Without it, decode_query_len q: a batch whose requests bring at most q
     query tokens each (max_query_len <= q: decodes, or a verify step's last token and drafts)
-    runs decode tiles, one program per request row, KV head and split; longer queries run
-    prefill tiles.
+    runs decode tiles, one program per request row, KV head and split (tiles of 1 token when
+    every request brings one, else of q); longer queries run prefill tiles.
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[-2]
@@ -405,9 +405,12 @@ def unified_attention(
     group = num_heads // num_kv_heads
     decode = tiles is None and metadata.max_query_len <= decode_query_len
     if decode:
-        # One tile per request: its every query token times every query head of the group.
+        # One tile per request: its every query token times every query head of the group. A
+        # tile holds 1 or q tokens, whatever a step brings in between (drafts capped near
+        # max_tokens): each width is a compiled kernel, and a new one mid-run stalls its step
+        # ~0.4-0.65 s (an EAGLE head's eager forward on the H200, 2026-12-02).
         tiles = DECODE_TILES
-        block_q = max(metadata.max_query_len, 1)
+        block_q = 1 if metadata.max_query_len <= 1 else decode_query_len
         block_m = max(tiles.min_rows, triton.next_power_of_2(block_q * group))
         num_tiles = metadata.num_reqs
     else:
