@@ -1,0 +1,36 @@
+"""Start-up compiles what the first requests run: a kernel first compiled inside a request's step
+stalls it by a quarter to half a second on the H200 (the LM head's GEMV on the first token, a
+verify tile's width near max_tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+
+triton = pytest.importorskip("triton")
+
+
+def count_compiles(monkeypatch) -> list[str]:
+    """Names of the Triton kernels compiled from now on (a hook Triton calls after each compile)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no jit_post_compile_hook")
+    compiled: list[str] = []
+
+    def hook(*args, **kwargs) -> None:
+        fn = kwargs.get("fn")
+        compiled.append(getattr(fn, "name", repr(fn)))
+
+    monkeypatch.setattr(runtime, "jit_post_compile_hook", hook)
+    return compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_first_decode_requests_compile_no_kernel(monkeypatch, batch: int) -> None:
+    with LLM("qwen3-0.6b", load_format="dummy", max_model_len=1024, num_gpu_blocks=256) as llm:
+        compiled = count_compiles(monkeypatch)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        llm.generate([[7] * 16] * batch, params, use_tqdm=False)
+        assert compiled == []
