@@ -44,6 +44,10 @@ PROGRAMS_PER_SM = 2
 # SM count assumed off CUDA (the interpreter): an H100/H200's.
 DEFAULT_NUM_SMS = 132
 SUM_BLOCK_SIZE = 1024
+# Token tiles (rows of x per program) above MAX_TOKENS tokens, narrowest first (`token_tiling`).
+WIDE_TOKEN_TILES = (32, 64, 128)
+# Shared memory the pipelined W and x tiles of a wide token tile may take (an H100/H200 block has 227 KiB).
+WIDE_TILE_SHARED_MEMORY = 192 * 1024
 # Row blocks whose token tiles run one after another (programs in launch order), so a group's W
 # stays in L2 while every token tile reads it.
 ROW_BLOCKS_PER_GROUP = 8
@@ -195,7 +199,48 @@ TUNED_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
 }
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
+def _dot_over_k(
+    x_ptr,
+    w_ptr,
+    offs_m,
+    offs_n,
+    m_mask,
+    n_mask,
+    k_start,
+    k_end,
+    K,
+    stride_xm,
+    stride_wn,
+    INPUT_PRECISION: tl.constexpr,
+    DOT_AS_COLUMN_SUMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """y^T [BLOCK_N, BLOCK_M] of W's rows offs_n and x's rows offs_m over K in [k_start, k_end),
+    BLOCK_K at a time from a zero accumulator: the one K reduction every launch shape runs."""
+    offs_k = tl.arange(0, BLOCK_K)
+    # W as the dot's left operand [BLOCK_N, BLOCK_K] (its natural K-contiguous layout), x^T as
+    # the right one [BLOCK_K, BLOCK_M]: tokens are the mma's N dimension, so the token tile's
+    # width changes how many columns an instruction computes, never how a column is reduced.
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k_start + offs_k)[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        k_mask = k + offs_k < K
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        if DOT_AS_COLUMN_SUMS:
+            acc += tl.sum(w.to(tl.float32)[:, :, None] * x.to(tl.float32)[None, :, :], axis=1)
+        else:
+            acc = tl.dot(w, x, acc, input_precision=INPUT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "num_splits"])
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -205,13 +250,15 @@ def _gemv_kernel(
     N,
     K,
     k_per_split,
+    num_splits,
     stride_xm,
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
+    FUSE_SPLITS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    DOT_AS_COLUMN_SUMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -220,7 +267,6 @@ def _gemv_kernel(
     # Program p of a group's ROW_BLOCKS_PER_GROUP * m_tiles programs: row block p % group_size,
     # token tile p // group_size (with one token tile, pid_n is the program id itself).
     pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
     m_tiles = tl.cdiv(M, BLOCK_M)
     programs_per_group = ROW_BLOCKS_PER_GROUP * m_tiles
     first_n = (pid // programs_per_group) * ROW_BLOCKS_PER_GROUP
@@ -229,30 +275,31 @@ def _gemv_kernel(
     pid_m = (pid % programs_per_group) // group_size
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    # W as the dot's left operand [BLOCK_N, BLOCK_K] (its natural K-contiguous layout), x^T as
-    # the right one [BLOCK_K, BLOCK_M]: acc holds y^T for this block of rows.
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
-    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k_start + offs_k)[:, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        k_mask = k + offs_k < K
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        if DOT_IN_FP32:
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(w, x, acc, input_precision=INPUT_PRECISION)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
     mask = n_mask[:, None] & m_mask[None, :]
-    if WRITE_PARTIALS:
-        tl.store(out_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=mask)
+    if FUSE_SPLITS:
+        # Every split of K in this one program, summed in split order from zero in float32:
+        # the same additions _sum_splits_kernel makes over the partials of split programs.
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for split in range(num_splits):
+            k_start = split * k_per_split
+            k_end = tl.minimum(k_start + k_per_split, K)
+            acc += _dot_over_k(
+                x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
+                INPUT_PRECISION, DOT_AS_COLUMN_SUMS, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
     else:
+        pid_k = tl.program_id(1)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        acc = _dot_over_k(
+            x_ptr, w_ptr, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
+            INPUT_PRECISION, DOT_AS_COLUMN_SUMS, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        if WRITE_PARTIALS:
+            tl.store(out_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=mask)
+    if not WRITE_PARTIALS:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         out = acc.to(out_ptr.dtype.element_ty)
@@ -331,6 +378,50 @@ def invariant_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -
     return default_config(n, k, torch.finfo(dtype).bits // 8, _num_sms(device))
 
 
+@dataclass(frozen=True)
+class TokenTiling:
+    """How a call lays its M tokens over programs: rows of x per program (the dot's N width),
+    whether one program runs every split of K in turn (no partials buffer, no second launch)
+    or each split runs in its own program, and the pipeline depth. None of it changes a row's
+    bits: the row's K reduction (block_k, split_k and the summation order of the splits) is
+    the config's, and a token is one column of the dot, reduced alone."""
+
+    block_m: int
+    fuse_splits: bool
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        if self.block_m < MAX_TOKENS or self.block_m & (self.block_m - 1):
+            raise ValueError(f"block_m ({self.block_m}) must be a power of two >= MAX_TOKENS={MAX_TOKENS}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages ({self.num_stages}) must be >= 1")
+
+
+def token_tiling(m: int, n: int, config: GemvConfig, element_size: int, num_sms: int) -> TokenTiling:
+    """The fixed rule `batch_invariant_linear` lays m tokens by. Up to MAX_TOKENS: one
+    MAX_TOKENS-row tile, each split its own program (the GEMV's decode launch, unchanged).
+    Above: the smallest of WIDE_TOKEN_TILES holding all m rows, else its widest, so W is read
+    once per block_m rows rather than per 16; the splits fused into one program once the row
+    blocks times token tiles fill every SM without them; as many of the config's pipeline
+    stages as fit in WIDE_TILE_SHARED_MEMORY (at least 2)."""
+    if m <= MAX_TOKENS:
+        return TokenTiling(MAX_TOKENS, fuse_splits=False, num_stages=config.num_stages)
+    block_m = next((size for size in WIDE_TOKEN_TILES if m <= size), WIDE_TOKEN_TILES[-1])
+    programs = triton.cdiv(n, config.block_n) * triton.cdiv(m, block_m)
+    return TokenTiling(
+        block_m,
+        fuse_splits=config.split_k > 1 and programs >= num_sms,
+        num_stages=wide_tile_stages(block_m, config, element_size),
+    )
+
+
+def wide_tile_stages(block_m: int, config: GemvConfig, element_size: int) -> int:
+    """The config's pipeline depth, cut to what fits in WIDE_TILE_SHARED_MEMORY with block_m
+    rows of x per stage (at least 2)."""
+    stage_bytes = (config.block_n + block_m) * config.block_k * element_size
+    return max(2, min(config.num_stages, WIDE_TILE_SHARED_MEMORY // stage_bytes))
+
+
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
 ) -> torch.Tensor:
@@ -341,18 +432,26 @@ def gemv(
         raise ValueError(f"x has {x.shape[0]} tokens, gemv takes at most MAX_TOKENS={MAX_TOKENS}")
     if config is None:
         config = gemv_config(weight.shape[0], weight.shape[1], x.shape[0], x.dtype, x.device)
-    return _launch(x, weight, bias, config)
+    return _launch(x, weight, bias, config, TokenTiling(MAX_TOKENS, fuse_splits=False, num_stages=config.num_stages))
 
 
 def batch_invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    tiling: TokenTiling | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K] of any M, each row computed exactly as it would be
-    at any other M (`invariant_config`'s tiling, or `config`'s, for every M)."""
+    at any other M: `invariant_config`'s K reduction (or `config`'s) for every M, laid over
+    programs by `token_tiling` (or `tiling`, which cannot change the bits)."""
     _check_operands(x, weight, bias)
+    out_features, in_features = weight.shape
     if config is None:
-        config = invariant_config(weight.shape[0], weight.shape[1], x.dtype, x.device)
-    return _launch(x, weight, bias, config)
+        config = invariant_config(out_features, in_features, x.dtype, x.device)
+    if tiling is None:
+        tiling = token_tiling(x.shape[0], out_features, config, x.element_size(), _num_sms(x.device))
+    return _launch(x, weight, bias, config, tiling)
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -370,8 +469,10 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} must be ({out_features},) in {x.dtype}")
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
-    """The kernel over checked operands, token tiles of MAX_TOKENS rows side by side."""
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig, tiling: TokenTiling
+) -> torch.Tensor:
+    """The kernel over checked operands, token tiles of tiling.block_m rows side by side."""
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
     out = torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
@@ -385,15 +486,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     steps = max(1, triton.cdiv(in_features, config.block_k))
     steps_per_split = triton.cdiv(steps, min(config.split_k, steps))
     split_k = triton.cdiv(steps, steps_per_split)
-    write_partials = split_k > 1
-    # Triton's interpreter (CPU tensors) multiplies bf16 dot operands as their raw bits; in float32
-    # the products are the same exact ones the GPU's tensor cores form.
+    fuse_splits = split_k > 1 and tiling.fuse_splits
+    write_partials = split_k > 1 and not fuse_splits
+    # Triton's interpreter (CPU tensors) multiplies bf16 dot operands as their raw bits, and its
+    # dot is numpy's matmul, whose summation order follows the operands' shapes. There each K
+    # step is float32 products summed in K order instead: exact for 16-bit operands, one order
+    # for every column, as a token's column of the GPU's mma is reduced whatever its neighbours.
     on_cpu = x.device.type == "cpu"
     target = (
         torch.empty(split_k, num_tokens, out_features, dtype=torch.float32, device=x.device) if write_partials else out
     )
-    num_programs = triton.cdiv(out_features, config.block_n) * triton.cdiv(num_tokens, MAX_TOKENS)
-    _gemv_kernel[(num_programs, split_k)](
+    num_programs = triton.cdiv(out_features, config.block_n) * triton.cdiv(num_tokens, tiling.block_m)
+    _gemv_kernel[(num_programs, 1 if fuse_splits else split_k)](
         x,
         weight,
         x if bias is None else bias,
@@ -402,19 +506,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         out_features,
         in_features,
         steps_per_split * config.block_k,
+        split_k,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
         WRITE_PARTIALS=write_partials,
+        FUSE_SPLITS=fuse_splits,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 or on_cpu else "tf32",
-        DOT_IN_FP32=on_cpu and x.dtype == torch.bfloat16,
-        BLOCK_M=MAX_TOKENS,
+        DOT_AS_COLUMN_SUMS=on_cpu,
+        BLOCK_M=tiling.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         ROW_BLOCKS_PER_GROUP=ROW_BLOCKS_PER_GROUP,
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=tiling.num_stages,
     )
     if write_partials:
         _sum_splits_kernel[(num_tokens, triton.cdiv(out_features, SUM_BLOCK_SIZE))](
