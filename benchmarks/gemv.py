@@ -35,15 +35,14 @@ from triton.runtime.errors import OutOfResources
 from pagoda.benchmarks.cuda_timing import graph_time_us
 from pagoda.model.ops.triton_gemv import (
     MAX_TOKENS,
-    WIDE_TOKEN_TILES,
     GemvConfig,
-    TokenTiling,
+    LaunchTiling,
     batch_invariant_linear,
     gemv,
     gemv_config,
     invariant_config,
-    token_tiling,
-    wide_tile_stages,
+    launch_tiling,
+    tiling_candidates,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,7 +100,7 @@ class Case:
         kernel = batch_invariant_linear if batch_invariant else gemv
         return graph_time_us(lambda i: kernel(self.x, self.weights[i], config=config), len(self.weights))
 
-    def time_tiling(self, tiling: TokenTiling) -> float:
+    def time_tiling(self, tiling: LaunchTiling) -> float:
         return graph_time_us(
             lambda i: batch_invariant_linear(self.x, self.weights[i], tiling=tiling), len(self.weights)
         )
@@ -137,8 +136,11 @@ def describe(config: GemvConfig) -> str:
     return f"{config.block_n}x{config.block_k} split{config.split_k} w{config.num_warps} s{config.num_stages}"
 
 
-def describe_tiling(tiling: TokenTiling) -> str:
-    return f"m{tiling.block_m} {'fused' if tiling.fuse_splits else 'split'} s{tiling.num_stages}"
+def describe_tiling(tiling: LaunchTiling) -> str:
+    return (
+        f"{tiling.block_m}x{tiling.block_n}x{tiling.block_k} w{tiling.num_warps} s{tiling.num_stages}"
+        f"{' fused' if tiling.fuse_splits else ''}"
+    )
 
 
 def compare(shapes: list[Shape], tokens: list[int], dtype: torch.dtype, batch_invariant: bool = False) -> None:
@@ -156,7 +158,7 @@ def compare(shapes: list[Shape], tokens: list[int], dtype: torch.dtype, batch_in
         m = case.x.shape[0]
         if batch_invariant:
             config = invariant_config(shape.n, shape.k, dtype, case.x.device)
-            tiling = token_tiling(m, shape.n, config, case.x.element_size(), num_sms())
+            tiling = launch_tiling(m, shape.n, shape.k, config, case.x.element_size(), num_sms())
             launch = f"{describe(config)}, {describe_tiling(tiling)}"
         else:
             launch = describe(gemv_config(shape.n, shape.k, m, dtype, case.x.device))
@@ -228,18 +230,6 @@ def num_sms() -> int:
     return torch.cuda.get_device_properties().multi_processor_count
 
 
-def tiling_candidates(case: Case) -> list[TokenTiling]:
-    """Every token tile, each with its splits fused and (where the config splits K) not, at the
-    pipeline depth `token_tiling` would give it."""
-    config = invariant_config(case.shape.n, case.shape.k, case.x.dtype, case.x.device)
-    fusions = (False, True) if config.split_k > 1 else (False,)
-    candidates = [TokenTiling(MAX_TOKENS, fuse, config.num_stages) for fuse in fusions]
-    for block_m in WIDE_TOKEN_TILES:
-        stages = wide_tile_stages(block_m, config, case.x.element_size())
-        candidates += [TokenTiling(block_m, fuse, stages) for fuse in fusions]
-    return candidates
-
-
 def sweep_tilings(shapes: list[Shape], tokens: list[int], dtype: torch.dtype) -> None:
     """Each token tiling of batch_invariant_linear per (shape, M), against F.linear; a candidate
     whose output is not, to the bit, the rows computed MAX_TOKENS at a time is marked."""
@@ -249,11 +239,11 @@ def sweep_tilings(shapes: list[Shape], tokens: list[int], dtype: torch.dtype) ->
         weight = case.weights[0]
         reference = torch.cat([batch_invariant_linear(rows, weight) for rows in case.x.split(MAX_TOKENS)])
         timings = []
-        for tiling in tiling_candidates(case):
+        config = invariant_config(shape.n, shape.k, dtype, case.x.device)
+        for tiling in tiling_candidates(config, case.x.element_size()):
             same = torch.equal(batch_invariant_linear(case.x, weight, tiling=tiling), reference)
             timings.append(f"{describe_tiling(tiling)} {case.time_tiling(tiling):.1f}{'' if same else ' BITS DIFFER'}")
-        config = invariant_config(shape.n, shape.k, dtype, case.x.device)
-        rule = token_tiling(m, shape.n, config, case.x.element_size(), num_sms())
+        rule = launch_tiling(m, shape.n, shape.k, config, case.x.element_size(), num_sms())
         print(
             f"{shape.name:<20} {m:>5} {case.time_linear():>9.1f} {case.time_tiling(rule):>8.1f}  "
             f"{describe_tiling(rule)}; {', '.join(timings)}"

@@ -14,6 +14,8 @@ Llama-3.1-8B shapes in bf16 on the device.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,14 +24,14 @@ pytest.importorskip("triton")  # conftest.py turns on its interpreter when there
 
 from pagoda.model import ops
 from pagoda.model.ops.triton_gemv import (
+    COMPUTE_TILES,
     MAX_TOKENS,
-    WIDE_TOKEN_TILES,
     GemvConfig,
-    TokenTiling,
+    LaunchTiling,
     batch_invariant_linear,
     invariant_config,
-    token_tiling,
-    wide_tile_stages,
+    launch_tiling,
+    tiling_candidates,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,16 +76,6 @@ def test_rows_do_not_depend_on_their_batch(dtype: torch.dtype, bias: bool) -> No
         assert torch.equal(out[where], alone), m
 
 
-def every_tiling(config: GemvConfig, element_size: int) -> list[TokenTiling]:
-    """Each token tile width with its splits fused and separate."""
-    tilings = [TokenTiling(MAX_TOKENS, fuse, config.num_stages) for fuse in (False, True)]
-    for block_m in WIDE_TOKEN_TILES:
-        tilings += [
-            TokenTiling(block_m, fuse, wide_tile_stages(block_m, config, element_size)) for fuse in (False, True)
-        ]
-    return tilings
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_keeps_its_bits_at_every_batch_size(dtype: torch.dtype) -> None:
     """One row placed at a random position among M - 1 others, for each M of BATCH_SIZES (so
@@ -110,29 +102,49 @@ def test_a_row_keeps_its_bits_at_every_batch_size(dtype: torch.dtype) -> None:
         )
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_token_tilings_do_not_change_the_bits(bias: bool) -> None:
-    """Every token tile width, with the splits of K in their own programs (partials summed by
-    the second kernel) or run in turn in one program, gives the same bits as 16-row tiles."""
-    x, weight, b = operands(40, 160, 150, torch.bfloat16, bias)
-    reference = batch_invariant_linear(x, weight, b, SPLIT_CONFIG, TokenTiling(MAX_TOKENS, False, 2))
-    for tiling in every_tiling(SPLIT_CONFIG, x.element_size()):
-        assert torch.equal(batch_invariant_linear(x, weight, b, SPLIT_CONFIG, tiling), reference), tiling
+def test_launch_tilings_do_not_change_the_bits() -> None:
+    """Every launch the rule can pick (token tiles of 16 to 256 rows, W tiles of 16 to 128 rows,
+    shorter K steps than the config's, the splits of K in their own programs or run in turn in
+    one program) gives the bits of 16-row tiles, with a ragged K tail. Three splits, so that the
+    order they are summed in shows, and float32 outputs, so that no rounding to 16 bits hides it."""
+    config = GemvConfig(block_n=16, block_k=32, split_k=3, num_warps=4, num_stages=2)
+    x, weight, b = operands(40, 150, 140, torch.float32, bias=True)
+    reference = batch_invariant_linear(x, weight, b, config, LaunchTiling.of(config))
+    candidates = tiling_candidates(config, x.element_size())
+    assert {tiling.block_m for tiling in candidates} == {16, 32, 64, 128, 256}
+    assert any(tiling.fuse_splits for tiling in candidates)
+    for tiling in candidates:
+        assert torch.equal(batch_invariant_linear(x, weight, b, config, tiling), reference), tiling
 
 
-def test_token_tiling_rule() -> None:
-    """Up to 16 tokens the GEMV's decode launch; above, the narrowest wide tile holding them
-    (the widest past it), splits fused only once the unsplit programs fill the SMs, and the
-    stages cut to the shared-memory budget."""
+def test_launch_tiling_rule() -> None:
+    """Up to 16 tokens the decode launch; the config's streaming tile while W's read bounds the
+    call; then the widest compute tile that still gives every SM a program, splits fused once
+    the unsplit programs fill the SMs; K steps that divide the splits; stages that fit."""
     config = GemvConfig(block_n=64, block_k=256, split_k=4, num_warps=4, num_stages=5)
-    assert token_tiling(16, 1024, config, 2, num_sms=132) == TokenTiling(16, fuse_splits=False, num_stages=5)
-    assert token_tiling(17, 1024, config, 2, num_sms=132).block_m == WIDE_TOKEN_TILES[0]
-    assert token_tiling(100, 1024, config, 2, num_sms=132).block_m == 128
-    # 16 row blocks x 2 token tiles: the splits keep their own programs; x 32 token tiles: fused.
-    assert token_tiling(256, 1024, config, 2, num_sms=132) == TokenTiling(128, fuse_splits=False, num_stages=2)
-    assert token_tiling(4096, 1024, config, 2, num_sms=132).fuse_splits
+    assert launch_tiling(16, 1024, 2048, config, 2, num_sms=132) == LaunchTiling.of(config)
+    streaming = launch_tiling(17, 1024, 2048, config, 2, num_sms=132)
+    assert (streaming.block_m, streaming.block_n, streaming.block_k, streaming.num_stages) == (
+        32,
+        64,
+        256,
+        4,
+    )  # 4 x 48 KiB
+    assert launch_tiling(100, 1024, 4096, config, 2, num_sms=132).block_m == 64  # long K: still streaming
+    # 1024 rows, 4 splits: only 64 x 64 tiles give 132 programs at 256 tokens; at 8192 tokens the
+    # widest does, and its 8 x 32 unsplit programs fill the SMs, so the splits are fused.
+    assert launch_tiling(256, 1024, 2048, config, 2, num_sms=132) == replace(COMPUTE_TILES[-1], fuse_splits=False)
+    assert launch_tiling(8192, 1024, 2048, config, 2, num_sms=132) == replace(COMPUTE_TILES[0], fuse_splits=True)
+    assert launch_tiling(256, 151936, 1024, config, 2, num_sms=132).block_m == 256  # a vocabulary's rows
+    assert launch_tiling(100, 151936, 1024, config, 2, num_sms=132).block_m == 128  # no wider than M
+    small_k = GemvConfig(block_n=64, block_k=32, split_k=1)
+    assert launch_tiling(512, 4096, 32, small_k, 2, num_sms=132).block_k == 32
+    narrow = GemvConfig(block_n=16, block_k=128, split_k=1)  # mma.sync on Hopper: keeps its tile
+    assert launch_tiling(512, 4096, 1024, narrow, 2, num_sms=132) == LaunchTiling(64, 16, 128, 4, 4)
+    fp32 = launch_tiling(4096, 151936, 1024, config, 4, num_sms=132)
+    assert (fp32.block_n + fp32.block_m) * fp32.block_k * 4 * fp32.num_stages <= 192 * 1024
     with pytest.raises(ValueError, match="block_m"):
-        TokenTiling(24, fuse_splits=False, num_stages=2)
+        LaunchTiling(24, 64, 64, 4, 2)
 
 
 def test_another_split_of_k_changes_the_bits() -> None:
@@ -185,12 +197,13 @@ def test_model_shapes_on_the_gpu(shape: tuple[int, int]) -> None:
 @pytest.mark.parametrize(
     "shape", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (6144, 4096), (4096, 14336)]
 )
-def test_token_tilings_on_the_gpu(shape: tuple[int, int]) -> None:
-    """bf16 on the device: every token tile width (the mma's N), splits fused or not, gives the
-    bits of 16-row tiles; what makes a row's bits the same at every batch size."""
+def test_launch_tilings_on_the_gpu(shape: tuple[int, int]) -> None:
+    """bf16 on the device: every launch the rule can pick (the mma's N and M widths, K steps,
+    warps, splits fused or not) gives the bits of 16-row tiles; what makes a row's bits the same
+    at every batch size."""
     n, k = shape
     x, weight, _ = operands(n, k, 300, torch.bfloat16, bias=False)
     config = invariant_config(n, k, torch.bfloat16, x.device)
     reference = torch.cat([batch_invariant_linear(rows, weight) for rows in x.split(MAX_TOKENS)])
-    for tiling in every_tiling(config, x.element_size()):
+    for tiling in tiling_candidates(config, x.element_size()):
         assert torch.equal(batch_invariant_linear(x, weight, tiling=tiling), reference), tiling

@@ -16,17 +16,27 @@ Block sizes come from `gemv_config`: the TUNED_CONFIGS table (from `benchmarks/g
 on the target GPU) and otherwise a heuristic. Both are plain functions of the shape, so nothing
 is tuned at run time and the kernel can be captured in a CUDA graph.
 
-`batch_invariant_linear` runs the same kernel over any number of tokens, in tiles of MAX_TOKENS
-rows (a third launch dimension, ordered so that the token tiles of a group of row blocks run
-together and share W in L2), with one config per weight shape whatever M is
-(`invariant_config`). Each output element is then the same instructions over the same K steps
-and splits, summed in the same order, at every batch size: the batch-invariant mode's GEMM.
+`batch_invariant_linear` runs the same kernel over any number of tokens (a third launch
+dimension of token tiles, ordered so that the token tiles of a group of row blocks run together
+and share W in L2), with one config per weight shape whatever M is (`invariant_config`): its
+splits of K (K elements per split, `k_splits`) and their summation order from zero in float32
+are the one thing of the launch a row's bits depend on. Within a split the dot is a chain of
+k16 mma instructions in K order into one float32 accumulator, and a token is one column of it,
+reduced alone: so the tile around it (tokens and W rows per program, the K step, warps, stages)
+is free, measured on an H200 for every Qwen3-0.6B and Llama-3.1-8B shape (16 to 256 tokens x 64
+or 128 rows x K steps of 64 to 256, 4 or 8 warps: bit-identical to the 16-row decode launch),
+and so is whether a split runs in its own program (partials summed by a second kernel) or one
+program runs the splits in turn (the same additions in the same order). `launch_tiling` picks it
+by a fixed rule of the shape and M: the decode launch up to MAX_TOKENS tokens, the config's
+streaming tile while W's read bounds the call, then COMPUTE_TILES of up to 256 x 128, so W is
+read once per up to 256 tokens rather than once per 16. The one boundary kept is the mma
+family: a config whose tile lowers to mma.sync on Hopper (block_n < 64) keeps its own tile.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -44,9 +54,8 @@ PROGRAMS_PER_SM = 2
 # SM count assumed off CUDA (the interpreter): an H100/H200's.
 DEFAULT_NUM_SMS = 132
 SUM_BLOCK_SIZE = 1024
-# Token tiles (rows of x per program) above MAX_TOKENS tokens, narrowest first (`token_tiling`).
-WIDE_TOKEN_TILES = (32, 64, 128)
-# Shared memory the pipelined W and x tiles of a wide token tile may take (an H100/H200 block has 227 KiB).
+# Shared memory the pipelined W and x tiles of a launch above MAX_TOKENS may take (an H100/H200
+# block has 227 KiB).
 WIDE_TILE_SHARED_MEMORY = 192 * 1024
 # Row blocks whose token tiles run one after another (programs in launch order), so a group's W
 # stays in L2 while every token tile reads it.
@@ -379,47 +388,112 @@ def invariant_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -
 
 
 @dataclass(frozen=True)
-class TokenTiling:
-    """How a call lays its M tokens over programs: rows of x per program (the dot's N width),
-    whether one program runs every split of K in turn (no partials buffer, no second launch)
-    or each split runs in its own program, and the pipeline depth. None of it changes a row's
-    bits: the row's K reduction (block_k, split_k and the summation order of the splits) is
-    the config's, and a token is one column of the dot, reduced alone."""
+class LaunchTiling:
+    """How a call lays its work over programs: rows of x (block_m, the dot's N width) and of W
+    (block_n, the dot's M) per program, the K step, warps, pipeline depth, and whether one
+    program runs every split of K in turn (no partials buffer, no second launch) or each split
+    runs in its own program. None of it changes a row's bits (see the module docstring)."""
 
     block_m: int
-    fuse_splits: bool
+    block_n: int
+    block_k: int
+    num_warps: int
     num_stages: int
+    fuse_splits: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_m < MAX_TOKENS or self.block_m & (self.block_m - 1):
-            raise ValueError(f"block_m ({self.block_m}) must be a power of two >= MAX_TOKENS={MAX_TOKENS}")
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} ({value}) must be a power of two >= 16 (tl.dot's smallest tile)")
         if self.num_stages < 1:
             raise ValueError(f"num_stages ({self.num_stages}) must be >= 1")
 
+    @classmethod
+    def of(cls, config: GemvConfig, block_m: int = MAX_TOKENS) -> LaunchTiling:
+        """The config's own tile and launch options, block_m tokens per program."""
+        return cls(block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
 
-def token_tiling(m: int, n: int, config: GemvConfig, element_size: int, num_sms: int) -> TokenTiling:
-    """The fixed rule `batch_invariant_linear` lays m tokens by. Up to MAX_TOKENS: one
-    MAX_TOKENS-row tile, each split its own program (the GEMV's decode launch, unchanged).
-    Above: the smallest of WIDE_TOKEN_TILES holding all m rows, else its widest, so W is read
-    once per block_m rows rather than per 16; the splits fused into one program once the row
-    blocks times token tiles fill every SM without them; as many of the config's pipeline
-    stages as fit in WIDE_TILE_SHARED_MEMORY (at least 2)."""
+
+# Tiles for batches past the memory-bound sizes, widest first (`launch_tiling`): a K step of 64
+# and up to 256 tokens x 128 rows of W per program, as measured on an H200 against F.linear at
+# 64 to 2048 tokens on the Qwen3-0.6B and Llama-3.1-8B shapes (`benchmarks/gemv.py
+# --batch-invariant --sweep`, 2026-12-02).
+COMPUTE_TILES = (
+    LaunchTiling(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    LaunchTiling(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
+    LaunchTiling(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4),
+    LaunchTiling(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4),
+)
+# Up to this many tokens, and up to LONG_K_STREAMING_TOKENS where K >= LONG_K, a call is still
+# bound by reading W: it runs the config's own streaming tile, 32 or 64 tokens per program.
+STREAMING_TOKENS = 32
+LONG_K = 4096
+LONG_K_STREAMING_TOKENS = 128
+STREAMING_BLOCK_M = 64
+# Rows of W per program below which a config's dot lowers to another mma instruction family than
+# the compute tiles' on Hopper (mma.sync rather than wgmma): such configs keep their own tile.
+MIN_COMPUTE_BLOCK_N = 64
+
+
+def k_splits(k: int, config: GemvConfig) -> tuple[int, int]:
+    """(K elements per split, splits) of the config over K: whole K steps per split, no empty
+    split. The one thing of the launch a row's bits depend on, with the summation order."""
+    steps = max(1, triton.cdiv(k, config.block_k))
+    steps_per_split = triton.cdiv(steps, min(config.split_k, steps))
+    return steps_per_split * config.block_k, triton.cdiv(steps, steps_per_split)
+
+
+def launch_tiling(m: int, n: int, k: int, config: GemvConfig, element_size: int, num_sms: int) -> LaunchTiling:
+    """The fixed rule `batch_invariant_linear` lays m tokens by, a function of the shape and m:
+    - m <= MAX_TOKENS: the config's decode launch (16-row tile, each split its own program);
+    - m <= STREAMING_TOKENS, m <= LONG_K_STREAMING_TOKENS where k >= LONG_K, or a config whose
+      block_n is under MIN_COMPUTE_BLOCK_N: the config's tile, min(next power of two of m,
+      STREAMING_BLOCK_M) tokens per program;
+    - otherwise the widest of COMPUTE_TILES no wider than m's next power of two whose launch
+      (row blocks x token tiles x splits) gives every SM a program, else the narrowest;
+    above MAX_TOKENS `fitted` to the config and shared memory, and the splits fused into each
+    program once row blocks x token tiles fill every SM without them."""
     if m <= MAX_TOKENS:
-        return TokenTiling(MAX_TOKENS, fuse_splits=False, num_stages=config.num_stages)
-    block_m = next((size for size in WIDE_TOKEN_TILES if m <= size), WIDE_TOKEN_TILES[-1])
-    programs = triton.cdiv(n, config.block_n) * triton.cdiv(m, block_m)
-    return TokenTiling(
-        block_m,
-        fuse_splits=config.split_k > 1 and programs >= num_sms,
-        num_stages=wide_tile_stages(block_m, config, element_size),
+        return LaunchTiling.of(config)
+    splits = k_splits(k, config)[1]
+    width = triton.next_power_of_2(m)
+    streaming = m <= STREAMING_TOKENS or (k >= LONG_K and m <= LONG_K_STREAMING_TOKENS)
+    if streaming or config.block_n < MIN_COMPUTE_BLOCK_N:
+        tiling = LaunchTiling.of(config, min(width, STREAMING_BLOCK_M))
+    else:
+        fitting = [tile for tile in COMPUTE_TILES if tile.block_m <= width]
+        tiling = next(
+            (
+                tile
+                for tile in fitting
+                if triton.cdiv(n, tile.block_n) * triton.cdiv(m, tile.block_m) * splits >= num_sms
+            ),
+            fitting[-1],
+        )
+    unsplit_programs = triton.cdiv(n, tiling.block_n) * triton.cdiv(m, tiling.block_m)
+    return replace(fitted(tiling, config, element_size), fuse_splits=splits > 1 and unsplit_programs >= num_sms)
+
+
+def fitted(tiling: LaunchTiling, config: GemvConfig, element_size: int) -> LaunchTiling:
+    """`tiling` with its K step cut to the config's where that is shorter (so that it divides
+    every split) and its stages to what fits in WIDE_TILE_SHARED_MEMORY."""
+    block_k = min(tiling.block_k, config.block_k)
+    stage_bytes = (tiling.block_n + tiling.block_m) * block_k * element_size
+    return replace(
+        tiling, block_k=block_k, num_stages=max(1, min(tiling.num_stages, WIDE_TILE_SHARED_MEMORY // stage_bytes))
     )
 
 
-def wide_tile_stages(block_m: int, config: GemvConfig, element_size: int) -> int:
-    """The config's pipeline depth, cut to what fits in WIDE_TILE_SHARED_MEMORY with block_m
-    rows of x per stage (at least 2)."""
-    stage_bytes = (config.block_n + block_m) * config.block_k * element_size
-    return max(2, min(config.num_stages, WIDE_TILE_SHARED_MEMORY // stage_bytes))
+def tiling_candidates(config: GemvConfig, element_size: int) -> list[LaunchTiling]:
+    """Every launch `launch_tiling` can pick for the config, each with its splits fused and (where
+    the config splits K) not: what `benchmarks/gemv.py --batch-invariant --sweep` times and the
+    tests check bit-identical."""
+    tiles = [LaunchTiling.of(config)]
+    tiles += [fitted(LaunchTiling.of(config, block_m), config, element_size) for block_m in (32, STREAMING_BLOCK_M)]
+    tiles += [fitted(tile, config, element_size) for tile in COMPUTE_TILES]
+    fusions = (False, True) if config.split_k > 1 else (False,)
+    return [replace(tile, fuse_splits=fuse) for tile in tiles for fuse in fusions]
 
 
 def gemv(
@@ -432,7 +506,7 @@ def gemv(
         raise ValueError(f"x has {x.shape[0]} tokens, gemv takes at most MAX_TOKENS={MAX_TOKENS}")
     if config is None:
         config = gemv_config(weight.shape[0], weight.shape[1], x.shape[0], x.dtype, x.device)
-    return _launch(x, weight, bias, config, TokenTiling(MAX_TOKENS, fuse_splits=False, num_stages=config.num_stages))
+    return _launch(x, weight, bias, config, LaunchTiling.of(config))
 
 
 def batch_invariant_linear(
@@ -440,17 +514,17 @@ def batch_invariant_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
-    tiling: TokenTiling | None = None,
+    tiling: LaunchTiling | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K] of any M, each row computed exactly as it would be
-    at any other M: `invariant_config`'s K reduction (or `config`'s) for every M, laid over
-    programs by `token_tiling` (or `tiling`, which cannot change the bits)."""
+    at any other M: `invariant_config`'s splits of K (or `config`'s) for every M, laid over
+    programs by `launch_tiling` (or `tiling`, which cannot change the bits)."""
     _check_operands(x, weight, bias)
     out_features, in_features = weight.shape
     if config is None:
         config = invariant_config(out_features, in_features, x.dtype, x.device)
     if tiling is None:
-        tiling = token_tiling(x.shape[0], out_features, config, x.element_size(), _num_sms(x.device))
+        tiling = launch_tiling(x.shape[0], out_features, in_features, config, x.element_size(), _num_sms(x.device))
     return _launch(x, weight, bias, config, tiling)
 
 
@@ -470,7 +544,7 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig, tiling: TokenTiling
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig, tiling: LaunchTiling
 ) -> torch.Tensor:
     """The kernel over checked operands, token tiles of tiling.block_m rows side by side."""
     num_tokens, in_features = x.shape
@@ -482,10 +556,9 @@ def _launch(
         x = x.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    # Whole K steps per split, and no empty split.
-    steps = max(1, triton.cdiv(in_features, config.block_k))
-    steps_per_split = triton.cdiv(steps, min(config.split_k, steps))
-    split_k = triton.cdiv(steps, steps_per_split)
+    k_per_split, split_k = k_splits(in_features, config)
+    if k_per_split % tiling.block_k:
+        raise ValueError(f"tiling's block_k ({tiling.block_k}) must divide the {k_per_split} K elements of a split")
     fuse_splits = split_k > 1 and tiling.fuse_splits
     write_partials = split_k > 1 and not fuse_splits
     # Triton's interpreter (CPU tensors) multiplies bf16 dot operands as their raw bits, and its
@@ -496,7 +569,7 @@ def _launch(
     target = (
         torch.empty(split_k, num_tokens, out_features, dtype=torch.float32, device=x.device) if write_partials else out
     )
-    num_programs = triton.cdiv(out_features, config.block_n) * triton.cdiv(num_tokens, tiling.block_m)
+    num_programs = triton.cdiv(out_features, tiling.block_n) * triton.cdiv(num_tokens, tiling.block_m)
     _gemv_kernel[(num_programs, 1 if fuse_splits else split_k)](
         x,
         weight,
@@ -505,7 +578,7 @@ def _launch(
         num_tokens,
         out_features,
         in_features,
-        steps_per_split * config.block_k,
+        k_per_split,
         split_k,
         x.stride(0),
         weight.stride(0),
@@ -513,13 +586,13 @@ def _launch(
         HAS_BIAS=bias is not None,
         WRITE_PARTIALS=write_partials,
         FUSE_SPLITS=fuse_splits,
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 or on_cpu else "tf32",
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_AS_COLUMN_SUMS=on_cpu,
         BLOCK_M=tiling.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
+        BLOCK_N=tiling.block_n,
+        BLOCK_K=tiling.block_k,
         ROW_BLOCKS_PER_GROUP=ROW_BLOCKS_PER_GROUP,
-        num_warps=config.num_warps,
+        num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
     )
     if write_partials:
