@@ -25,11 +25,13 @@ pytest.importorskip("triton")  # conftest.py turns on its interpreter when there
 from pagoda.model import ops
 from pagoda.model.ops.triton_gemv import (
     COMPUTE_TILES,
+    DEFAULT_NUM_SMS,
     MAX_TOKENS,
     GemvConfig,
     LaunchTiling,
     batch_invariant_linear,
     invariant_config,
+    launch_change_points,
     launch_tiling,
     tiling_candidates,
 )
@@ -145,6 +147,19 @@ def test_launch_tiling_rule() -> None:
     assert (fp32.block_n + fp32.block_m) * fp32.block_k * 4 * fp32.num_stages <= 192 * 1024
     with pytest.raises(ValueError, match="block_m"):
         LaunchTiling(24, 64, 64, 4, 2)
+
+
+def test_launch_change_points_cover_every_launch() -> None:
+    """A warm-up at the change points runs every launch of 1..max_m rows: each point starts a
+    new launch, and every count between two points takes the earlier one's."""
+    n, k, dtype, device = 151936, 1024, torch.bfloat16, torch.device(DEVICE)
+    config = invariant_config(n, k, dtype, device)
+    points = launch_change_points(n, k, dtype, device, 2048)
+    assert points[:2] == [1, MAX_TOKENS + 1]
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if DEVICE == "cuda" else DEFAULT_NUM_SMS
+    launches = [launch_tiling(m, n, k, config, 2, num_sms) for m in range(1, 2049)]
+    assert len(set(launches)) == len(points)
+    assert all(launches[m - 1] == launches[max(p for p in points if p <= m) - 1] for m in range(1, 2049))
 
 
 def test_another_split_of_k_changes_the_bits() -> None:

@@ -496,6 +496,22 @@ def tiling_candidates(config: GemvConfig, element_size: int) -> list[LaunchTilin
     return [replace(tile, fuse_splits=fuse) for tile in tiles for fuse in fusions]
 
 
+def launch_change_points(n: int, k: int, dtype: torch.dtype, device: torch.device, max_m: int) -> list[int]:
+    """The smallest token count, from 1 to max_m, of each launch `batch_invariant_linear` makes for
+    a weight [n, k]: the counts a warm-up runs so that every kernel it can take is compiled
+    before the first request (the launch follows M, the kernels' other arguments do not)."""
+    config = invariant_config(n, k, dtype, device)
+    element_size, num_sms = torch.finfo(dtype).bits // 8, _num_sms(device)
+    points: list[int] = []
+    last: LaunchTiling | None = None
+    for m in range(1, max_m + 1):
+        tiling = launch_tiling(m, n, k, config, element_size, num_sms)
+        if tiling != last:
+            points.append(m)
+            last = tiling
+    return points
+
+
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
 ) -> torch.Tensor:
