@@ -23,10 +23,11 @@ splits of K (K elements per split, `k_splits`) and their summation order from ze
 are the one thing of the launch a row's bits depend on. Within a split the dot is a chain of
 k16 mma instructions in K order into one float32 accumulator, and a token is one column of it,
 reduced alone: so the tile around it (tokens and W rows per program, the K step, warps, stages)
-is free, measured on an H200 for every Qwen3-0.6B and Llama-3.1-8B shape (16 to 256 tokens x 64
-or 128 rows x K steps of 64 to 256, 4 or 8 warps: bit-identical to the 16-row decode launch),
-and so is whether a split runs in its own program (partials summed by a second kernel) or one
-program runs the splits in turn (the same additions in the same order). `launch_tiling` picks it
+is free: measured on an H200 over the Qwen3-0.6B and Llama-3.1-8B (TP 1) shapes, 16 to 256
+tokens x 64 or 128 rows x K steps of 64 to 256, 4 or 8 warps, all bit-identical to the 16-row
+decode launch (2026-12-02). So is, by making the same float32 additions in the same order,
+whether a split runs in its own program (partials summed by a second kernel) or one program
+runs the splits in turn. `launch_tiling` picks it
 by a fixed rule of the shape and M: the decode launch up to MAX_TOKENS tokens, the config's
 streaming tile while W's read bounds the call, then COMPUTE_TILES of up to 256 x 128, so W is
 read once per up to 256 tokens rather than once per 16. The one boundary kept is the mma
