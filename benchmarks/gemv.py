@@ -15,7 +15,7 @@ timed the same way, its TB/s counting the bytes read and written.
                                          # batch_invariant_linear (one config per shape, any M)
                                          # against cuBLAS: the batch-invariant mode's GEMM cost
     python benchmarks/gemv.py --batch-invariant --sweep --tokens 32 64 128 256 512 2048
-                                         # every token tiling of batch_invariant_linear per
+                                         # every launch batch_invariant_linear can pick per
                                          # (shape, M), each checked bit-identical to 16-row tiles
 """
 
@@ -231,7 +231,7 @@ def num_sms() -> int:
 
 
 def sweep_tilings(shapes: list[Shape], tokens: list[int], dtype: torch.dtype) -> None:
-    """Each token tiling of batch_invariant_linear per (shape, M), against F.linear; a candidate
+    """Each launch batch_invariant_linear can pick per (shape, M), against F.linear; a candidate
     whose output is not, to the bit, the rows computed MAX_TOKENS at a time is marked."""
     print(f"{'shape':<20} {'M':>5} {'linear us':>9} {'rule us':>8}  rule; candidates (us)")
     for case in cases(shapes, tokens, dtype):
@@ -258,7 +258,7 @@ def main() -> None:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="try candidate configs, print the best per shape (with --batch-invariant: token tilings)",
+        help="try candidate configs, print the best per shape (with --batch-invariant: its launches)",
     )
     parser.add_argument(
         "--batch-invariant", action="store_true", help="time batch_invariant_linear (any --tokens) instead of gemv"

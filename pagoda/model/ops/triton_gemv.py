@@ -417,9 +417,10 @@ class LaunchTiling:
 
 
 # Tiles for batches past the memory-bound sizes, widest first (`launch_tiling`): a K step of 64
-# and up to 256 tokens x 128 rows of W per program, as measured on an H200 against F.linear at
-# 64 to 2048 tokens on the Qwen3-0.6B and Llama-3.1-8B shapes (`benchmarks/gemv.py
-# --batch-invariant --sweep`, 2026-12-02).
+# and up to 256 tokens x 128 rows of W per program, the fastest of a sweep of the kernel's tiles
+# on an H200 at 64 to 2048 tokens on the Qwen3-0.6B and Llama-3.1-8B shapes (2026-12-02; at 256
+# tokens within 1.2-1.5x of F.linear, the 16-row tiles 3-8x); `benchmarks/gemv.py
+# --batch-invariant --sweep` re-measures every candidate.
 COMPUTE_TILES = (
     LaunchTiling(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3),
     LaunchTiling(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
