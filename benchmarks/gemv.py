@@ -11,9 +11,12 @@ timed the same way, its TB/s counting the bytes read and written.
     python benchmarks/gemv.py [--tokens 1 2 4 8] [--dtype bf16] [--only qwen]
     python benchmarks/gemv.py --sweep    # every candidate config per (shape, tokens); prints the
                                          # best as TUNED_CONFIGS entries for triton_gemv.py
-    python benchmarks/gemv.py --batch-invariant --tokens 1 16 256 2048 8192
+    python benchmarks/gemv.py --batch-invariant --tokens 1 16 64 128 256 512
                                          # batch_invariant_linear (one config per shape, any M)
                                          # against cuBLAS: the batch-invariant mode's GEMM cost
+    python benchmarks/gemv.py --batch-invariant --sweep --tokens 32 64 128 256 512 2048
+                                         # every launch batch_invariant_linear can pick per
+                                         # (shape, M), each checked bit-identical to 16-row tiles
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ from pagoda.benchmarks.cuda_timing import graph_time_us
 from pagoda.model.ops.triton_gemv import (
     MAX_TOKENS,
     GemvConfig,
+    LaunchTiling,
     batch_invariant_linear,
     gemv,
     gemv_config,
     invariant_config,
+    launch_tiling,
+    tiling_candidates,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,6 +77,7 @@ SHAPES = (
     Shape("qwen3-0.6b o", 1024, 2048),
     Shape("qwen3-0.6b gate_up", 6144, 1024),
     Shape("qwen3-0.6b down", 1024, 3072),
+    Shape("qwen3-0.6b lm_head", 151936, 1024),
 )
 
 
@@ -92,6 +99,11 @@ class Case:
     def time_gemv(self, config: GemvConfig | None = None, batch_invariant: bool = False) -> float:
         kernel = batch_invariant_linear if batch_invariant else gemv
         return graph_time_us(lambda i: kernel(self.x, self.weights[i], config=config), len(self.weights))
+
+    def time_tiling(self, tiling: LaunchTiling) -> float:
+        return graph_time_us(
+            lambda i: batch_invariant_linear(self.x, self.weights[i], tiling=tiling), len(self.weights)
+        )
 
     def tbps(self, us: float) -> float:
         return self.weight_bytes / us / 1e6
@@ -124,6 +136,13 @@ def describe(config: GemvConfig) -> str:
     return f"{config.block_n}x{config.block_k} split{config.split_k} w{config.num_warps} s{config.num_stages}"
 
 
+def describe_tiling(tiling: LaunchTiling) -> str:
+    return (
+        f"{tiling.block_m}x{tiling.block_n}x{tiling.block_k} w{tiling.num_warps} s{tiling.num_stages}"
+        f"{' fused' if tiling.fuse_splits else ''}"
+    )
+
+
 def compare(shapes: list[Shape], tokens: list[int], dtype: torch.dtype, batch_invariant: bool = False) -> None:
     """F.linear against the tuned GEMV, or with `batch_invariant` against batch_invariant_linear."""
     print(
@@ -136,15 +155,18 @@ def compare(shapes: list[Shape], tokens: list[int], dtype: torch.dtype, batch_in
         if shape not in copy_us:
             copy_us[shape] = copy_time_us(case.weights)
         linear_us, gemv_us = case.time_linear(), case.time_gemv(batch_invariant=batch_invariant)
+        m = case.x.shape[0]
         if batch_invariant:
             config = invariant_config(shape.n, shape.k, dtype, case.x.device)
+            tiling = launch_tiling(m, shape.n, shape.k, config, case.x.element_size(), num_sms())
+            launch = f"{describe(config)}, {describe_tiling(tiling)}"
         else:
-            config = gemv_config(shape.n, shape.k, case.x.shape[0], dtype, case.x.device)
+            launch = describe(gemv_config(shape.n, shape.k, m, dtype, case.x.device))
         print(
             f"{shape.name:<20} {shape.n:>6} {shape.k:>6} {case.weight_bytes / 1e6:>6.1f} {case.x.shape[0]:>5} "
             f"{copy_us[shape]:>8.1f} {2 * case.tbps(copy_us[shape]):>8.2f} {linear_us:>9.1f} "
             f"{case.tbps(linear_us):>5.2f} {gemv_us:>8.1f} {case.tbps(gemv_us):>5.2f} "
-            f"{linear_us / gemv_us:>6.2f}x  {describe(config)}"
+            f"{linear_us / gemv_us:>6.2f}x  {launch}"
         )
 
 
@@ -204,20 +226,46 @@ def sweep(shapes: list[Shape], tokens: list[int], dtype: torch.dtype) -> None:
     print("}")
 
 
+def num_sms() -> int:
+    return torch.cuda.get_device_properties().multi_processor_count
+
+
+def sweep_tilings(shapes: list[Shape], tokens: list[int], dtype: torch.dtype) -> None:
+    """Each launch batch_invariant_linear can pick per (shape, M), against F.linear; a candidate
+    whose output is not, to the bit, the rows computed MAX_TOKENS at a time is marked."""
+    print(f"{'shape':<20} {'M':>5} {'linear us':>9} {'rule us':>8}  rule; candidates (us)")
+    for case in cases(shapes, tokens, dtype):
+        shape, m = case.shape, case.x.shape[0]
+        weight = case.weights[0]
+        reference = torch.cat([batch_invariant_linear(rows, weight) for rows in case.x.split(MAX_TOKENS)])
+        timings = []
+        config = invariant_config(shape.n, shape.k, dtype, case.x.device)
+        for tiling in tiling_candidates(config, case.x.element_size()):
+            same = torch.equal(batch_invariant_linear(case.x, weight, tiling=tiling), reference)
+            timings.append(f"{describe_tiling(tiling)} {case.time_tiling(tiling):.1f}{'' if same else ' BITS DIFFER'}")
+        rule = launch_tiling(m, shape.n, shape.k, config, case.x.element_size(), num_sms())
+        print(
+            f"{shape.name:<20} {m:>5} {case.time_linear():>9.1f} {case.time_tiling(rule):>8.1f}  "
+            f"{describe_tiling(rule)}; {', '.join(timings)}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--only", default="", help="shapes whose name contains this")
-    parser.add_argument("--sweep", action="store_true", help="try candidate configs, print the best per shape")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="try candidate configs, print the best per shape (with --batch-invariant: its launches)",
+    )
     parser.add_argument(
         "--batch-invariant", action="store_true", help="time batch_invariant_linear (any --tokens) instead of gemv"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
-    if args.batch_invariant and args.sweep:
-        raise SystemExit("--batch-invariant times the invariant configs; --sweep tunes the GEMV's")
     if min(args.tokens) < 1 or (max(args.tokens) > MAX_TOKENS and not args.batch_invariant):
         raise SystemExit(f"--tokens must be 1..{MAX_TOKENS} (any count >= 1 with --batch-invariant)")
     shapes = [shape for shape in SHAPES if args.only in shape.name]
@@ -228,7 +276,9 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}, {args.dtype}; us per call replayed from a CUDA graph, "
         f"W rotated through {L2_MULTIPLE}x the L2"
     )
-    if args.sweep:
+    if args.sweep and args.batch_invariant:
+        sweep_tilings(shapes, args.tokens, dtype)
+    elif args.sweep:
         sweep(shapes, args.tokens, dtype)
     else:
         compare(shapes, args.tokens, dtype, args.batch_invariant)

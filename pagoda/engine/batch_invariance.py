@@ -2,8 +2,9 @@
 
 In this mode a request's numbers never depend on the other requests of its steps, their count,
 how its prompt was chunked or whether its prefix came from the cache:
-- every linear layer and the LM head run `triton_gemv.batch_invariant_linear` (one K tiling and
-  split count per weight shape, whatever the token count);
+- every linear layer and the LM head run `triton_gemv.batch_invariant_linear` (one split of K
+  per weight shape, summed in one order, whatever the token count; the tiles around it follow
+  the count, which changes no row's bits);
 - attention runs one tile configuration for prefill chunks, decodes and verify steps, over key
   tiles anchored at position 0, without split-K (`triton_unified_attention.INVARIANT_TILES`);
 - cascade attention is off (its prefix/suffix split depends on the batch);

@@ -33,6 +33,8 @@ from pagoda.kv_cache_interface import (
     get_kv_cache_config,
     kv_cache_torch_dtype,
 )
+from pagoda.model.layers.embedding import ParallelLMHead
+from pagoda.model.layers.linear import LinearBase
 from pagoda.model.layers.mamba.metadata import MambaMetadataBuilder
 from pagoda.model.layers.mamba.mixer import MambaMixer2
 from pagoda.model.ops import GEMV_MAX_TOKENS
@@ -453,6 +455,8 @@ class GPUModelRunner:
         self._capture_encoder_graphs()
         if self.device.type == "cuda" and self.is_last_stage and self.pooler is None:
             self._warm_up_logits()
+        if self.device.type == "cuda" and self.model_config.batch_invariant:
+            self._warm_up_batch_invariant_gemms()
         if self.cudagraph_manager is None:
             return
         start = time.perf_counter()
@@ -481,6 +485,34 @@ class GPUModelRunner:
         hidden_size = self.model_config.text_config.hidden_size
         for rows in range(1, min(GEMV_MAX_TOKENS, self.max_num_tokens) + 1):
             self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=self.dtype, device=self.device))
+
+    def _warm_up_batch_invariant_gemms(self) -> None:
+        """Each linear layer (up to max_num_tokens rows) and the LM head (up to max_num_reqs) at
+        the first row count of each launch the batch-invariant GEMM takes for its weight, which
+        follows the row count (`triton_gemv.launch_tiling`): so eager prefills and the LM head,
+        outside the graphs, compile no kernel in the first requests' steps."""
+        from pagoda.model.ops.triton_gemv import launch_change_points
+
+        assert self.model is not None
+        warmed: set[tuple[bool, tuple[int, ...], bool]] = set()
+        for module in self.model.modules():
+            is_head = isinstance(module, ParallelLMHead)
+            if is_head:
+                batch_invariant = module.batch_invariant
+            else:
+                batch_invariant = isinstance(module, LinearBase) and getattr(
+                    module.quant_method, "batch_invariant", False
+                )
+            if not batch_invariant:
+                continue
+            n, k = module.weight.shape
+            key = (is_head, (n, k), getattr(module, "bias", None) is not None)
+            if key in warmed:
+                continue
+            warmed.add(key)
+            max_rows = self.max_num_reqs if is_head else self.max_num_tokens
+            for rows in launch_change_points(n, k, self.dtype, self.device, max_rows):
+                module(torch.zeros(rows, k, dtype=self.dtype, device=self.device))
 
     @torch.inference_mode()
     def profile_cudagraph_memory(self) -> int:

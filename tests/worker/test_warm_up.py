@@ -34,3 +34,15 @@ def test_first_decode_requests_compile_no_kernel(monkeypatch, batch: int) -> Non
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         llm.generate([[7] * 16] * batch, params, use_tqdm=False)
         assert compiled == []
+
+
+@pytest.mark.gpu
+def test_batch_invariant_requests_compile_no_gemm(monkeypatch) -> None:
+    """Batch-invariant mode picks the GEMM's launch by the row count: prefills of many lengths and
+    a wide decode batch run only GEMM kernels start-up compiled."""
+    with LLM("qwen3-0.6b", load_format="dummy", batch_invariant=True, max_model_len=1024, num_gpu_blocks=512) as llm:
+        compiled = count_compiles(monkeypatch)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        prompts = [[7] * length for length in (17, 40, 100, 300, 700)] + [[9] * 16] * 100
+        llm.generate(prompts, params, use_tqdm=False)
+        assert [name for name in compiled if "gemv" in name or "sum_splits" in name] == []
