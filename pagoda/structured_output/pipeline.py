@@ -76,8 +76,8 @@ class MaskRequest(NamedTuple):
 class PipelineStats:
     """Host seconds summed over steps, for the benchmarks: the thread's work (`wait_ids`: its
     wait for the ids; `advance`; `prefill`), the loop's (`join_wait`: blocked on the thread;
-    `fill`: masks filled on the loop; `send`: staging and queuing the copy), the steps with
-    masks, and rows."""
+    `fill`: masks filled on the loop; `send`: staging and queuing the copy; the three do not
+    overlap), the steps with masks, and rows."""
 
     wait_ids: float = 0.0
     advance: float = 0.0
