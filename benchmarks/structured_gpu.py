@@ -17,8 +17,14 @@ share of the thread's work the loop did not wait for.
 schema's matchers advanced over tokens drawn from their own masks, one step at a time, and on
 CUDA the mask kernel on [batch, vocab] logits.
 
+`--pipeline` runs `GrammarPipeline` steps at a fixed batch without a model, the loop busy for
+`--busy-ms` between steps (pure Python and small torch ops, as scheduling and input prep are)
+while the thread's job runs: the job's wall time and the loop's work in that time show what
+each loses to the other over the GIL (`loop_work`: busy iterations a step; more is better).
+
     python benchmarks/structured_gpu.py --model qwen3-0.6b --tokenizer DIR [--num-prompts 256]
     python benchmarks/structured_gpu.py --tokenizer DIR --host-only [--batch 256] [--threads 1]
+    python benchmarks/structured_gpu.py --tokenizer DIR --pipeline [--batch 131] [--busy-ms 3]
 
 Dummy weights need a tokenizer for a grammar: pass one with --tokenizer (a directory with
 tokenizer.json; the masks cover the tokenizer's vocabulary, the mask pass refuses the model's ids
@@ -110,22 +116,85 @@ def end_to_end(args: argparse.Namespace) -> dict:
     }
 
 
-def host_only(args: argparse.Namespace) -> dict:
-    """The masks' cost at `args.batch` rows: the schema's states stepped over tokens drawn from
-    their own masks; per step the batch advance and fill (the pipeline thread's work)."""
+def schema_states(args: argparse.Namespace) -> tuple:
+    """The backend over `args.tokenizer`, the model's vocabulary, and `args.batch` fresh states of the schema."""
     from transformers import AutoTokenizer
 
-    from pagoda.sample.logits_processing import apply_token_bitmask
-    from pagoda.sample.metadata import TokenBitmask
     from pagoda.structured_output.backend import GrammarBackend
     from pagoda.structured_output.spec import GrammarSpec
-    from pagoda.structured_output.state import GrammarBatch, GrammarState, allocate_bitmask
+    from pagoda.structured_output.state import GrammarState
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     vocab_size = args.vocab_size or len(tokenizer)
     backend = GrammarBackend(tokenizer, vocab_size, [tokenizer.eos_token_id])
     compiled = backend.compile(GrammarSpec("json", json.dumps(ENDLESS_SCHEMA)))
-    states = [GrammarState(compiled) for _ in range(args.batch)]
+    return backend, vocab_size, [GrammarState(compiled) for _ in range(args.batch)]
+
+
+def pick_allowed(bitmask, vocab_size: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, 1] one token per row of a host bitmask, drawn from those it allows."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return np.array([[int(rng.choice(np.flatnonzero(row)))] for row in bits])
+
+
+def pipeline_steps(args: argparse.Namespace) -> dict:
+    """`GrammarPipeline` steps as the runner makes them (masks, sample, advance), the loop busy
+    for `args.busy_ms` after each advance while the job runs; medians over the steps."""
+    from pagoda.structured_output.pipeline import GrammarPipeline, MaskRequest, PipelineStats, SampledGrammarRow
+    from pagoda.structured_output.state import GrammarBatch
+
+    backend, _, states = schema_states(args)
+    device = torch.device(args.device if torch.cuda.is_available() else "cpu")
+    pipeline = GrammarPipeline(2 * args.batch, backend.mask_vocab_size, device, GrammarBatch(args.threads))
+    rng = np.random.default_rng(0)
+    small = torch.zeros(64)
+    counts = dict.fromkeys(range(64), 0)
+
+    def busy() -> int:
+        end, iterations = time.perf_counter() + args.busy_ms / 1000, 0
+        while time.perf_counter() < end:
+            for key in counts:
+                counts[key] += 1
+            small.add_(1)
+            iterations += 1
+        return iterations
+
+    loop_work, masks_ms = [], []
+    for step in range(args.host_steps):
+        if step == 5:  # the first steps fill from the schema's start, which every state shares
+            pipeline.stats = PipelineStats()
+        requests = [MaskRequest(state, i) for i, state in enumerate(states)]
+        start = time.perf_counter()
+        bitmask = pipeline.masks(requests)
+        masks_ms.append(1000 * (time.perf_counter() - start))
+        if bitmask.ready is not None:
+            bitmask.ready.synchronize()
+        words = bitmask.words if bitmask.word_rows is None else bitmask.words[bitmask.word_rows]
+        ids = pick_allowed(words.cpu(), backend.mask_vocab_size, rng)
+        rows = [SampledGrammarRow(state, i, len(state.accepted)) for i, state in enumerate(states)]
+        pipeline.advance(rows, lambda ids=ids: ids)
+        loop_work.append(busy())
+    pipeline.shutdown()
+    stats = pipeline.stats.per_step_ms()
+    return {
+        "batch": args.batch,
+        "busy_ms": args.busy_ms,
+        "steps": args.host_steps,
+        "loop_work": float(np.median(loop_work[5:])),
+        "masks_ms": float(np.median(masks_ms[5:])),
+        "job_ms": stats["advance"] + stats["prefill"],
+        "host_ms_per_step": stats,
+    }
+
+
+def host_only(args: argparse.Namespace) -> dict:
+    """The masks' cost at `args.batch` rows: the schema's states stepped over tokens drawn from
+    their own masks; per step the batch advance and fill (the pipeline thread's work)."""
+    from pagoda.sample.logits_processing import apply_token_bitmask
+    from pagoda.sample.metadata import TokenBitmask
+    from pagoda.structured_output.state import GrammarBatch, allocate_bitmask
+
+    backend, vocab_size, states = schema_states(args)
     batch = GrammarBatch(args.threads)
     mask_vocab_size = backend.mask_vocab_size  # the tokenizer's: the model's ids past it are refused
     bitmask = allocate_bitmask(args.batch, mask_vocab_size, pin_memory=False)
@@ -135,8 +204,7 @@ def host_only(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         batch.fill_bitmask(states, bitmask)
         fill.append(time.perf_counter() - start)
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :mask_vocab_size]
-        tokens = [int(rng.choice(np.flatnonzero(row))) for row in bits]
+        tokens = pick_allowed(bitmask, mask_vocab_size, rng)[:, 0].tolist()
         start = time.perf_counter()
         batch.accept(states, tokens)
         advance.append(time.perf_counter() - start)
@@ -181,6 +249,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of each run")
     parser.add_argument("--host-only", action="store_true", help="the masks' cost at --batch rows, no model")
+    parser.add_argument("--pipeline", action="store_true", help="GrammarPipeline steps at --batch rows, no model")
+    parser.add_argument("--busy-ms", type=float, default=3.0, help="--pipeline: the loop's busy time a step")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--host-steps", type=int, default=60)
     parser.add_argument(
@@ -189,7 +259,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=151_936, help="--host-only: the model's vocabulary")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
-    result = host_only(args) if args.host_only else end_to_end(args)
+    result = pipeline_steps(args) if args.pipeline else host_only(args) if args.host_only else end_to_end(args)
     print(json.dumps(result, indent=1))
     if args.result_json:
         with open(args.result_json, "w") as file:

@@ -21,10 +21,15 @@ thread sets (tried, 2026-12-02), benchmarks/structured_gpu.py did not finish wit
 an H200 (99 s without it), and such a wait can deadlock outright: the loop may block in a
 device sync while holding the GIL, which the thread needs before it can set the counter.
 
-Masks alternate between two host buffers: a job writes the one the next `masks` reads, while
-the device may still copy the other. Every access to grammar states from the loop is either
-to states no job in flight holds, or after `join`. xgrammar's calls release the GIL; the
-thread holds it only for short loops over the rows.
+Masks alternate between two pinned host buffers: a job writes the one the next `masks` reads,
+while the device may still copy the other. A buffer's first rows hold the step's (logits row,
+mask row) pairs, so one H2D copy, of the rows in use, carries pairs and masks. Every access to
+grammar states from the loop is either to states no job in flight holds, or after `join`.
+
+Every xgrammar call releases the GIL, and retaking it waits for the loop to let go (its next
+torch call, or the switch interval): the thread makes a few calls a step (the batch accept,
+the fills), none per row (GrammarState keeps whether its matcher ended), and between them
+holds the GIL only for short loops over the rows.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ import torch
 
 from pagoda.sample.metadata import TokenBitmask
 from pagoda.structured_output.state import GrammarBatch, GrammarState, allocate_bitmask
+
+# A job's result: per row of its states, the version whose mask it filled (-1: none, the state
+# was left inactive).
+_NOT_FILLED = -1
 
 
 class SampledGrammarRow(NamedTuple):
@@ -67,8 +76,8 @@ class MaskRequest(NamedTuple):
 class PipelineStats:
     """Host seconds summed over steps, for the benchmarks: the thread's work (`wait_ids`: its
     wait for the ids; `advance`; `prefill`), the loop's (`join_wait`: blocked on the thread;
-    `fill`: masks filled on the loop; `send`: staging and queuing the copy), the steps with
-    masks, and rows."""
+    `fill`: masks filled on the loop; `send`: staging and queuing the copy; the three do not
+    overlap), the steps with masks, and rows."""
 
     wait_ids: float = 0.0
     advance: float = 0.0
@@ -91,14 +100,50 @@ class PipelineStats:
         return result
 
 
+class _Packed:
+    """A tensor of bitmask rows (pinned, or on the device): the staged (logits row, mask row)
+    pairs as int64 in its first rows, the masks after them, so that one copy carries both."""
+
+    MAX_VIEWS = 1024
+
+    def __init__(self, tensor: torch.Tensor, max_rows: int) -> None:
+        self.tensor = tensor
+        self.index_rows = len(tensor) - max_rows
+        self.index = tensor[: self.index_rows].view(-1)[: 4 * max_rows].view(torch.int64).view(2, max_rows)
+        self.masks = tensor[self.index_rows :]
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+    @staticmethod
+    def index_rows_for(max_rows: int, words_per_row: int) -> int:
+        """Bitmask rows that hold 2 x `max_rows` int64 (4 int32 words a pair)."""
+        return -(4 * max_rows // -words_per_row)
+
+    def views(self, num: int, num_words: int) -> tuple[torch.Tensor, ...]:
+        """The first `num` pairs' logits rows and mask rows, the first `num_words` masks, and the
+        rows through them (what a copy carries). Kept per count: a step's counts mostly repeat,
+        and each view is a torch call on the loop (tens of microseconds when its code is cold)."""
+        key = (num, num_words)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= self.MAX_VIEWS:
+                self._views.clear()
+            views = (self.index[0, :num], self.index[1, :num], self.masks[:num_words])
+            views = self._views[key] = (*views, self.tensor[: self.index_rows + num_words])
+        return views
+
+
 @dataclass
 class _Buffers:
-    """One of the two host sets: masks, staged (logits row, mask row) pairs, and the copy that
-    last read them (reused only once it is done)."""
+    """One of the two host sets: its pinned packed rows, their pairs as numpy (written by the
+    loop), and the copy that last read them (reused only once it is done)."""
 
-    host: torch.Tensor
-    index: torch.Tensor
+    packed: _Packed
+    index_np: np.ndarray
     copied: torch.cuda.Event | None
+
+    @property
+    def host(self) -> torch.Tensor:
+        return self.packed.masks
 
 
 @dataclass(frozen=True)
@@ -110,7 +155,7 @@ class _Job:
     buffer: int
     states: tuple[GrammarState, ...]
     rows_of: dict[int, int]
-    future: Future[dict[int, int]]
+    future: Future[list[int]]
 
 
 class GrammarPipeline:
@@ -122,22 +167,21 @@ class GrammarPipeline:
         self.batch = batch or GrammarBatch()  # the thread's, and the loop's while no job runs
         self._loop_batch = GrammarBatch(num_threads=1)  # the loop's while a job runs
         cuda = device.type == "cuda"
-        self._buffers = [
-            _Buffers(
-                allocate_bitmask(max_rows, mask_vocab_size, pin_memory=cuda),
-                torch.zeros((2, max_rows), dtype=torch.int64, pin_memory=cuda),
-                torch.cuda.Event() if cuda else None,
-            )
-            for _ in range(2)
-        ]
+        packed_rows = max_rows + _Packed.index_rows_for(max_rows, -(mask_vocab_size // -32))
+        self._buffers = []
+        for _ in range(2):
+            packed = _Packed(allocate_bitmask(packed_rows, mask_vocab_size, pin_memory=cuda), max_rows)
+            self._buffers.append(_Buffers(packed, packed.index.numpy(), torch.cuda.Event() if cuda else None))
+        self._arange = np.arange(max_rows)
         self._current = 0  # the buffer the next `masks` reads
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-step")
         self._jobs: deque[_Job] = deque()  # submitted, not yet joined
         self._latest: _Job | None = None  # the last submitted, until a `masks` reads its rows
         self.stats = PipelineStats()
         self._stream = torch.cuda.Stream(device) if cuda else None
-        self._words = torch.zeros_like(self._buffers[0].host, device=device) if cuda else None
-        self._index_device = torch.zeros_like(self._buffers[0].index, device=device) if cuda else None
+        self._device = (
+            _Packed(torch.zeros_like(self._buffers[0].packed.tensor, device=device), max_rows) if cuda else None
+        )
         # The last sampler's read of the device buffers (the next copy overwrites them after it).
         self._applied = torch.cuda.Event() if cuda else None
 
@@ -157,24 +201,25 @@ class GrammarPipeline:
 
     def _run_job(
         self, buffers: _Buffers, rows: list[SampledGrammarRow], host_token_ids: Callable[[], np.ndarray]
-    ) -> dict[int, int]:
+    ) -> list[int]:
         with torch.inference_mode():  # the buffers may be inference tensors (made in a step)
             return self._advance_and_fill(buffers, rows, host_token_ids)
 
     def _advance_and_fill(
         self, buffers: _Buffers, rows: list[SampledGrammarRow], host_token_ids: Callable[[], np.ndarray]
-    ) -> dict[int, int]:
+    ) -> list[int]:
         start = time.perf_counter()
         token_ids = host_token_ids()
-        if buffers.copied is not None:
-            buffers.copied.synchronize()  # the copy two steps ago (done long before the ids)
+        _wait(buffers.copied)  # the copy two steps ago (done long before the ids)
         ids_ready = time.perf_counter()
         self._accept(rows, token_ids)
         advanced = time.perf_counter()
         states = [row.state for row in rows]
         active = [i for i, state in enumerate(states) if state.active]
         self.batch.fill_bitmask([states[i] for i in active], buffers.host, active)
-        versions = {id(states[i]): states[i].version for i in active}
+        versions = [_NOT_FILLED] * len(states)
+        for i in active:
+            versions[i] = states[i].version
         done = time.perf_counter()
         self.stats.wait_ids += ids_ready - start
         self.stats.advance += advanced - ids_ready
@@ -197,12 +242,18 @@ class GrammarPipeline:
 
     def join(self) -> None:
         """Wait for every job: the grammar states are the loop's again."""
+        self._join()
+
+    def _join(self) -> float:
+        """`join`, returning the seconds it waited (added to the stats)."""
         if not self._jobs:
-            return
+            return 0.0
         start = time.perf_counter()
         while self._jobs:
             self._jobs.popleft().future.result()
-        self.stats.join_wait += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.stats.join_wait += waited
+        return waited
 
     def _settle(self) -> None:
         """Forget finished jobs (raising what one raised)."""
@@ -218,28 +269,31 @@ class GrammarPipeline:
         equal that draft); its drafts are rolled back before this returns."""
         start = time.perf_counter()
         self._settle()
-        if self._needs_join(requests):
-            self.join()
+        early_wait = self._join() if self._needs_join(requests) else 0.0
         buffers = self._buffers[self._current]
         latest = self._latest if self._latest is not None and self._latest.buffer == self._current else None
         running = latest is not None and not latest.future.done()
-        versions = latest.future.result() if latest is not None and not running else {}
+        versions = latest.future.result() if latest is not None and not running else None
         rows_of = latest.rows_of if latest is not None else {}
-        if buffers.copied is not None:
-            buffers.copied.synchronize()  # the loop writes this buffer too (copied long ago)
+        _wait(buffers.copied)  # the loop writes this buffer too (copied long ago)
         free = len(rows_of)
-        reused: list[tuple[int, int, GrammarState]] = []  # (row among the logits, the job's row, state)
-        entries: list[tuple[int, int]] = []  # (row among the logits, row of the host masks)
+        # (row among the logits, host row): the job's rows, then those filled here.
+        reused_starts: list[int] = []
+        reused_rows: list[int] = []
+        starts: list[int] = []
+        word_rows: list[int] = []
         pending: list[GrammarState] = []
         for request in requests:
             state = request.state
             if request.drafts:
                 continue
             row = rows_of.get(id(state))
-            if row is not None and (running or versions.get(id(state)) == state.version):
-                reused.append((request.logits_start, row, state))
+            if row is not None and (versions is None or versions[row] == state.version):
+                reused_starts.append(request.logits_start)
+                reused_rows.append(row)
             elif state.active:
-                entries.append((request.logits_start, free + len(pending)))
+                starts.append(request.logits_start)
+                word_rows.append(free + len(pending))
                 pending.append(state)
         batch = self._loop_batch if self._jobs else self.batch
         if pending:
@@ -247,24 +301,35 @@ class GrammarPipeline:
         free += len(pending)
         for request in requests:
             if request.drafts:
-                free = self._fill_positions(request, free, entries, batch, buffers.host)
+                free = self._fill_positions(request, free, starts, word_rows, batch, buffers.host)
         self._latest = None  # its rows are read (or stale): the next job writes the other buffer
         self._current ^= 1
         filled = time.perf_counter()
-        self.join()
-        # The job's states are the loop's again: one it left inactive (eos, a refused token) has
-        # no mask and takes none.
-        versions = latest.future.result() if latest is not None else {}
-        entries[:0] = [(start, row) for start, row, state in reused if versions.get(id(state)) == state.version]
-        bitmask = self._send(entries, buffers) if entries else None
+        self._join()
+        joined = time.perf_counter()
+        reused = np.array(reused_rows, dtype=np.int64)
+        reused_at = np.array(reused_starts, dtype=np.int64)
+        if running:
+            # The job's states are the loop's again: one it left inactive (eos, a refused token)
+            # has no mask and takes none (the loop did not touch them meanwhile).
+            assert latest is not None
+            filled_by_job = np.array(latest.future.result(), dtype=np.int64)[reused] != _NOT_FILLED
+            reused, reused_at = reused[filled_by_job], reused_at[filled_by_job]
+        bitmask = None
+        if len(reused) or starts:
+            bitmask = self._send(
+                np.concatenate((reused_at, np.array(starts, dtype=np.int64))),
+                np.concatenate((reused, np.array(word_rows, dtype=np.int64))),
+                buffers,
+            )
         stats = self.stats
-        stats.fill += filled - start
-        stats.send += time.perf_counter() - filled
-        if entries:
+        stats.fill += filled - start - early_wait
+        stats.send += time.perf_counter() - joined
+        if bitmask is not None:
             stats.steps += 1
-            stats.rows += len(entries)
-            stats.max_rows = max(stats.max_rows, len(entries))
-            stats.prefilled_rows += len(reused)
+            stats.rows += len(bitmask.rows)
+            stats.max_rows = max(stats.max_rows, len(bitmask.rows))
+            stats.prefilled_rows += len(reused_rows)
         return bitmask
 
     def _needs_join(self, requests: list[MaskRequest]) -> bool:
@@ -277,17 +342,15 @@ class GrammarPipeline:
         if latest.buffer != self._current:
             return True
         older = {key for job in list(self._jobs)[:-1] for key in job.rows_of}
-        for request in requests:
-            key = id(request.state)
-            if key in older or (request.drafts and key in latest.rows_of):
-                return True
-        return False
+        held = latest.rows_of
+        return any(id(request.state) in older or (request.drafts and id(request.state) in held) for request in requests)
 
     def _fill_positions(
         self,
         request: MaskRequest,
         free: int,
-        entries: list[tuple[int, int]],
+        starts: list[int],
+        word_rows: list[int],
         batch: GrammarBatch,
         host: torch.Tensor,
     ) -> int:
@@ -297,7 +360,8 @@ class GrammarPipeline:
         for position in range(len(drafts) + 1):
             if state.active:
                 batch.fill_bitmask([state], host, [free])
-                entries.append((request.logits_start + position, free))
+                starts.append(request.logits_start + position)
+                word_rows.append(free)
                 free += 1
             if position == len(drafts) or not state.accept([drafts[position]], tentative=True):
                 break
@@ -305,31 +369,30 @@ class GrammarPipeline:
         state.rollback(tried)
         return free
 
-    def _send(self, entries: list[tuple[int, int]], buffers: _Buffers) -> TokenBitmask:
-        """The masks of `entries` for the sampler (the thread's jobs joined): on CUDA
-        copied on the side stream, behind the last sampler's read of the device buffers; on
-        the CPU the host buffers themselves."""
-        num = len(entries)
-        index = buffers.index
-        staged = index.numpy()[:, :num]
-        staged[:] = np.array(entries, dtype=np.int64).T
-        identity = bool((staged[1] == np.arange(num)).all())
-        num_words = 1 + int(staged[1].max())
+    def _send(self, starts: np.ndarray, word_rows: np.ndarray, buffers: _Buffers) -> TokenBitmask:
+        """The masks of entry i (logits row `starts[i]`, host row `word_rows[i]`) for the sampler
+        (the thread's jobs joined): on CUDA one copy of the pairs and the mask rows up to the
+        last in use, on the side stream behind the last sampler's read of the device buffers;
+        on the CPU the host buffers themselves."""
+        num = len(starts)
+        staged = buffers.index_np
+        staged[0, :num] = starts
+        staged[1, :num] = word_rows
+        num_words = 1 + int(word_rows.max())
+        identity = num_words == num and bool((word_rows == self._arange[:num]).all())
+        rows, mask_rows, masks, copied = buffers.packed.views(num, num_words)
         if self._stream is None:
-            return TokenBitmask(
-                rows=index[0, :num], words=buffers.host[:num_words], word_rows=None if identity else index[1, :num]
-            )
-        assert self._words is not None and self._index_device is not None
+            return TokenBitmask(rows=rows, words=masks, word_rows=None if identity else mask_rows)
+        assert self._device is not None
+        rows, mask_rows, masks, device_copied = self._device.views(num, num_words)
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._applied)
-            self._words[:num_words].copy_(buffers.host[:num_words], non_blocking=True)
-            for part in range(2):  # row by row: contiguous pinned slices copy without the host
-                self._index_device[part, :num].copy_(index[part, :num], non_blocking=True)
+            device_copied.copy_(copied, non_blocking=True)
             buffers.copied.record(self._stream)
         return TokenBitmask(
-            rows=self._index_device[0, :num],
-            words=self._words[:num_words],
-            word_rows=None if identity else self._index_device[1, :num],
+            rows=rows,
+            words=masks,
+            word_rows=None if identity else mask_rows,
             ready=buffers.copied,
             applied=self._applied,
         )
@@ -337,3 +400,10 @@ class GrammarPipeline:
     def shutdown(self) -> None:
         self.join()
         self._thread.shutdown(wait=False)
+
+
+def _wait(event: torch.cuda.Event | None) -> None:
+    """Wait for a copy that is most likely done: asked first, so that the GIL is let go (and
+    retaken, after the other thread) only when it is not."""
+    if event is not None and not event.query():
+        event.synchronize()

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import torch
 import xgrammar as xgr
+from xgrammar.matcher import _core
 
 from pagoda.cpu_platform import usable_cpu_count
 from pagoda.sampling_params import StructuredOutputsParams
@@ -31,6 +32,11 @@ T = TypeVar("T")
 class GrammarState:
     def __init__(self, compiled: xgr.CompiledGrammar, params: StructuredOutputsParams | None = None) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)
+        # The matcher ends only by accepting a stop token: whether it ended is kept here, asked of
+        # it only then (each xgrammar call releases the GIL: hundreds a step on the pipeline's
+        # thread would each wait for the loop to hand the GIL back).
+        self._stop_ids = frozenset(compiled.tokenizer_info.stop_token_ids)
+        self._terminated = False
         self._gate = ReasoningGate.of(params)
         # Every output token seen, reasoning included: the runner lines them up with its history.
         self.accepted: list[int] = []
@@ -52,7 +58,7 @@ class GrammarState:
     @property
     def is_terminated(self) -> bool:
         """True once the grammar accepted a stop token: nothing more may follow."""
-        return self._matcher.is_terminated()
+        return self._terminated
 
     @property
     def active(self) -> bool:
@@ -63,7 +69,7 @@ class GrammarState:
     def in_grammar(self) -> bool:
         """Whether the next token goes to the grammar's matcher alone: `active` in the grammar's
         phase, spelled out (a step's advance asks it of every row)."""
-        return self.grammar_start is not None and not self.failed and not self._matcher.is_terminated()
+        return self.grammar_start is not None and not self.failed and not self._terminated
 
     def accept(self, token_ids: list[int], tentative: bool = False) -> bool:
         """Advance over `token_ids`; False at the first one refused, which fails the state, or
@@ -103,6 +109,8 @@ class GrammarState:
         self.version += 1
         if accepted:
             self.accepted.append(token_id)
+            if token_id in self._stop_ids:
+                self._terminated = self._matcher.is_terminated()
         else:
             logger.warning("sampled token %d is outside the request's grammar: unconstrained from here", token_id)
             self.failed = True
@@ -122,6 +130,7 @@ class GrammarState:
             else:
                 self._matcher.reset()
                 self.grammar_start = None
+            self._terminated = self._terminated and self._matcher.is_terminated()
         del self.accepted[keep:]
 
     def sync(self, token_ids: list[int]) -> None:
@@ -136,6 +145,7 @@ class GrammarState:
         if self.failed:  # start over: the matcher stopped at the refused token
             self.version += 1
             self._matcher.reset()
+            self._terminated = False
             self.accepted, self.failed, common = [], False, 0
             self.grammar_start = 0 if self._gate is None else None
         self.rollback(len(self.accepted) - common)
@@ -202,7 +212,11 @@ class GrammarBatch:
             return
         # On this thread alone: at ~1 us a row, splitting saved less than it cost (the host-only
         # benchmark's advance at 256 rows on 2 threads of the 2-core machine: 14-22 ms, 1.3 on one).
-        accepted = self._batches[0].batch_accept_token([state._matcher for state, _ in pairs], [t for _, t in pairs])
+        accepted = _batch_accept([state._matcher for state, _ in pairs], [t for _, t in pairs])
+        if accepted is None:  # every token accepted: the common case
+            for state, token_id in pairs:
+                state._record(token_id, True)
+            return
         for (state, token_id), ok in zip(pairs, accepted, strict=True):
             state._record(token_id, ok)
 
@@ -219,6 +233,16 @@ class GrammarBatch:
         for row, state in zip(rows, states, strict=True):
             if state.grammar_start is None:  # opening or forcing its reasoning's start marker
                 state.adjust_mask(bitmask[row])
+
+
+def _batch_accept(matchers: list[xgr.GrammarMatcher], token_ids: list[int]) -> list[bool] | None:
+    """`BatchGrammarMatcher.batch_accept_token`, None when every token was accepted. xgrammar's
+    wrapper reads its result one item at a time, each an FFI call that releases and retakes the
+    GIL; one membership test (one call) settles the common case."""
+    result = _core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], token_ids, False)
+    if 0 not in result:
+        return None
+    return [bool(ok) for ok in result]
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int, pin_memory: bool) -> torch.Tensor:

@@ -121,3 +121,116 @@ def test_rows_split_over_threads_give_the_one_thread_masks(backend) -> None:
         runs.append((steps, [(s.accepted, s.failed, s.is_terminated) for s in states]))
     assert runs[1] == runs[0]
     assert any(terminated for _, _, terminated in runs[0][1]) and not any(failed for _, failed, _ in runs[0][1])
+
+
+def test_the_staged_buffer_holds_each_row_s_mask_and_nothing_past_the_last(backend, pipeline) -> None:
+    """The one packed buffer a copy carries: its pairs point every constrained row at a mask
+    equal to the row's own, and the masks handed on end at the last row in use (rows past it
+    are not read). New rows after the job's, a row the job ended taking none."""
+    states = [state_of(backend, ALTERNATING) for _ in range(4)]
+    assert states[3].accept(list(b"a1b2c3d4"))  # eos next: its job ends it
+    ids = np.array([[ord("a")], [ord("b")], [ord("c")], [EOS_ID]])
+    pipeline.advance([SampledGrammarRow(state, i, len(state.accepted)) for i, state in enumerate(states)], lambda: ids)
+    fresh = state_of(backend, ALTERNATING)
+    requests = [MaskRequest(states[2], 0), MaskRequest(fresh, 3), MaskRequest(states[0], 5), MaskRequest(states[3], 7)]
+    bitmask = pipeline.masks(requests)
+    assert entries(bitmask) == {0: allowed(states[2]), 3: allowed(fresh), 5: allowed(states[0])}
+    assert allowed(states[0]) == set(b"01234") and allowed(fresh) == set(b"abcde")
+    # The job's rows are its states' places (0-3), the loop's new row the first after them.
+    assert bitmask.word_rows.tolist() == [2, 0, 4] and bitmask.rows.tolist() == [0, 5, 3]
+    assert len(bitmask.words) == 5
+    packed = pipeline._buffers[0].packed
+    assert bitmask.words.data_ptr() == packed.masks.data_ptr()  # the masks follow the pairs in one tensor
+    assert bitmask.rows.data_ptr() == packed.tensor.data_ptr()
+
+
+def test_views_are_kept_per_count_and_bounded() -> None:
+    pipeline = GrammarPipeline(max_rows=16, mask_vocab_size=VOCAB, device=torch.device("cpu"), batch=GrammarBatch(1))
+    packed = pipeline._buffers[1].packed
+    rows, mask_rows, masks, copied = packed.views(3, 4)
+    assert packed.views(3, 4)[0] is rows
+    assert torch.equal(masks, packed.masks[:4]) and masks.data_ptr() == packed.masks.data_ptr()
+    assert rows.data_ptr() == packed.index[0].data_ptr() and mask_rows.data_ptr() == packed.index[1].data_ptr()
+    assert copied.data_ptr() == packed.tensor.data_ptr() and len(copied) == packed.index_rows + 4  # pairs, 4 masks
+    packed.MAX_VIEWS = 2
+    packed.views(1, 1)
+    packed.views(2, 2)
+    assert len(packed._views) == 1 and packed.views(3, 4)[0] is not rows
+    pipeline.shutdown()
+
+
+class _Copy:
+    """A stand-in for a buffer's copy event on the CPU: in flight from `_send` until waited for."""
+
+    def __init__(self) -> None:
+        self.in_flight = False
+
+    def query(self) -> bool:
+        return not self.in_flight
+
+    def synchronize(self) -> None:
+        self.in_flight = False
+
+
+def test_a_buffer_is_written_only_once_its_last_copy_is_done(backend, pipeline, monkeypatch) -> None:
+    """The two host buffers alternate: every write into one (the job's masks on the thread, the
+    loop's own) comes after the copy that last read it; each step reads the other buffer than
+    the step before, while that one's copy may still run."""
+    copies = [_Copy(), _Copy()]
+    for buffers, copy in zip(pipeline._buffers, copies, strict=True):
+        buffers.copied = copy
+    writes = []
+
+    def checked_fill(batch, states, bitmask, rows=None) -> None:
+        buffer = next(
+            i
+            for i, b in enumerate(pipeline._buffers)
+            if b.packed.masks.data_ptr() <= bitmask.data_ptr() < b.packed.masks.data_ptr() + b.packed.masks.nbytes
+        )
+        writes.append((buffer, copies[buffer].in_flight))
+        fill(batch, states, bitmask, rows)
+
+    fill = GrammarBatch.fill_bitmask
+    monkeypatch.setattr(GrammarBatch, "fill_bitmask", checked_fill)
+    send = pipeline._send
+    read = []
+
+    def sending(starts, word_rows, buffers):
+        read.append(pipeline._buffers.index(buffers))
+        buffers.copied.in_flight = True  # its copy is queued: the device may read it from now
+        return send(starts, word_rows, buffers)
+
+    monkeypatch.setattr(pipeline, "_send", sending)
+    states = [state_of(backend, ALTERNATING) for _ in range(2)]
+    for step in range(6):
+        allowed_by_row = entries(pipeline.masks([MaskRequest(state, i) for i, state in enumerate(states)]))
+        ids = np.array([[min(allowed_by_row[i])] for i in range(2)])
+        pipeline.advance([SampledGrammarRow(state, i, step) for i, state in enumerate(states)], lambda ids=ids: ids)
+    pipeline.join()
+    assert read == [0, 1, 0, 1, 0, 1]
+    assert writes and not any(in_flight for _, in_flight in writes)
+    assert {buffer for buffer, _ in writes} == {0, 1}
+
+
+@pytest.mark.gpu
+def test_the_device_copy_carries_the_staged_pairs_and_masks(backend) -> None:
+    """On CUDA, one copy on the side stream: once `ready`, the device's pairs and masks are each
+    row's own, step after step (the buffers alternating, each reused after its copy)."""
+    pipeline = GrammarPipeline(max_rows=16, mask_vocab_size=VOCAB, device=torch.device("cuda"), batch=GrammarBatch(1))
+    states = [state_of(backend, ALTERNATING) for _ in range(3)]
+    for step in range(6):
+        bitmask = pipeline.masks([MaskRequest(state, 2 * i) for i, state in enumerate(states)])
+        assert bitmask.words.is_cuda and bitmask.rows.is_cuda
+        stream = torch.cuda.current_stream()
+        stream.wait_event(bitmask.ready)
+        on_host = TokenBitmask(
+            bitmask.rows.cpu(), bitmask.words.cpu(), None if bitmask.word_rows is None else bitmask.word_rows.cpu()
+        )
+        bitmask.applied.record(stream)
+        allowed_by_row = entries(on_host)
+        assert allowed_by_row == {2 * i: allowed(state) for i, state in enumerate(states)}
+        ids = np.array([[sorted(allowed_by_row[2 * i])[(step + i) % 5]] for i in range(3)])
+        pipeline.advance([SampledGrammarRow(state, i, step) for i, state in enumerate(states)], lambda ids=ids: ids)
+    pipeline.join()
+    pipeline.shutdown()
+    assert not any(state.failed for state in states)

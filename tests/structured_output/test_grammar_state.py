@@ -83,3 +83,25 @@ def test_a_batch_advances_and_fills_as_each_state_alone(backend, num_threads: in
     batch.fill_bitmask(active, bitmask)
     for row, state in enumerate(active):
         assert tokens_of(bitmask[row]) == allowed(state)
+
+
+def test_whether_the_matcher_ended_is_kept_in_step_with_it(backend) -> None:
+    """The state answers `is_terminated` without asking xgrammar (each call releases the GIL):
+    its answer follows the matcher through eos, rollback over it, a batch accept, reset by sync
+    and a failed state rebuilt."""
+    state = state_of(backend, StructuredOutputsParams(regex=r"ab"))
+
+    def in_step() -> bool:
+        return state.is_terminated == state._matcher.is_terminated()
+
+    assert state.accept(list(b"ab")) and not state.is_terminated and in_step()
+    assert state.accept([EOS_ID]) and state.is_terminated and in_step() and not state.active
+    state.rollback(1)
+    assert not state.is_terminated and in_step() and allowed(state) == {EOS_ID}
+    GrammarBatch(1).accept([state], [EOS_ID])
+    assert state.is_terminated and in_step() and not state.in_grammar
+    state.sync(list(b"a"))
+    assert not state.is_terminated and in_step() and allowed(state) == {ord("b")}
+    assert not state.accept([ord("x")]) and state.failed
+    state.sync([*b"ab", EOS_ID])
+    assert state.is_terminated and in_step() and not state.failed
