@@ -37,7 +37,8 @@ prefix cache; last-token pooling chunks and hits the cache like any prompt.
 
 A KV connector (CPU offload: `kv_offload_gib`; disaggregated prefill: `kv_role`) may supply tokens past the prefix-cache hits: the
 request then waits for their load outside the queues (see `RemoteKV`), and each step carries
-the connector's jobs in `kv_connector_metadata`.
+the connector's jobs in `kv_connector_metadata`. Loads take no token budget, so they are
+started for the requests next in line even once a step is full.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(kv_cache_config, cache_config.enable_prefix_caching)
         connector = make_scheduler_connector(cache_config, self.kv_cache_manager)
         self.remote_kv = (
-            RemoteKV(connector, self.kv_cache_manager, cache_config.kv_load_timeout_s)
+            RemoteKV(connector, self.kv_cache_manager, cache_config.kv_load_timeout_s, budget)
             if connector is not None
             else None
         )
@@ -390,6 +391,9 @@ class Scheduler:
                 encoder_inputs[request.request_id] = images
             filling.update(hashes[first_block : (num_hit_tokens + num_new) // kv.hash_block_size])
 
+        if self.remote_kv is not None and not preempted_req_ids:
+            self._start_loads_ahead()
+
         for request, num_new in scheduled:
             request.num_computed_tokens += num_new
             if request.num_computed_tokens >= len(request.all_token_ids):
@@ -630,6 +634,30 @@ class Scheduler:
         if num_tokens >= request.length_cap:
             return 0
         return num_tokens - request.num_computed_tokens
+
+    def _start_loads_ahead(self) -> None:
+        """Loads take no step budget: once the step is full, start those of the waiting
+        requests next in line (FCFS, up to the first that cannot load), so their KV crosses
+        PCIe while this step computes and they are ready when budget frees up."""
+        assert self.remote_kv is not None
+        kv = self.kv_cache_manager
+        position = 0
+        while position < len(self.waiting) and len(self.running) + len(self.remote_kv.loading) < self.max_num_seqs:
+            request = self.waiting[position]
+            if request.num_computed_tokens:
+                position += 1  # back from its load
+                continue
+            if (
+                request.waits_for_grammar
+                or request.num_pending_tokens
+                or (request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens)
+                or (self.whole_prompt_pooling and request.pooling_params is not None)
+            ):
+                return
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if not self.remote_kv.start_load(request, hit_blocks, num_hit_tokens):
+                return
+            del self.waiting[position]
 
     def _unblock_waiting(self) -> None:
         """A waiting request did not fit. With nothing running, nothing would ever free blocks

@@ -18,7 +18,7 @@ import torch
 
 from pagoda.kv_cache_interface import KVCacheConfig
 from pagoda.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, KVTransferStats
-from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views
+from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views, copy_stream
 from pagoda.kv_transfer.offload.scheduler import BlockCopyJob, OffloadMetadata
 from pagoda.worker.kv_connector.base import KVConnector
 
@@ -72,7 +72,7 @@ class OffloadingWorker(KVConnector):
         self._streams: dict[str, torch.cuda.Stream] = {}
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         if device.type == "cuda":
-            self._streams = {kind: torch.cuda.Stream(device) for kind in ("save", "load")}
+            self._streams = {kind: copy_stream(device) for kind in ("save", "load")}
         else:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagoda-kv-offload")
         logger.info(
