@@ -56,6 +56,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-offload-gib", type=float, default=72.0)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the step budget (default: the engine's); a shorter step frees decoding requests' blocks sooner",
+    )
     parser.add_argument("--copier-blocks", type=int, default=512, help="blocks per isolated copier timing")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -75,6 +81,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
         num_gpu_blocks=num_blocks,
         max_model_len=context + args.block_size,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
     )
 

@@ -128,3 +128,26 @@ def test_save_on_finish_holds_the_blocks_and_the_request_id() -> None:
     run_to_end(scheduler)
     scheduler.check_idle()
     assert scheduler.remote_kv.connector.index.num_cached == 4
+
+
+def test_a_load_starts_while_the_step_budget_is_spent_on_another_prefill() -> None:
+    scheduler = make_scheduler(num_blocks=10)
+    evict(scheduler)
+    scheduler.max_num_batched_tokens = 16
+    scheduler.add_request(request("busy", list(range(300, 316))))  # 16 tokens: the whole budget
+    scheduler.add_request(request("again", PROMPT))
+    so = step(scheduler, report=False)
+    assert so.num_scheduled_tokens == {"busy": 16}
+    # Started anyway: its KV crosses PCIe during busy's step, into the 4 blocks it reads.
+    (load,) = so.kv_connector_metadata.loads
+    assert len(load.block_ids) == 4
+    assert scheduler.requests["again"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(scheduler.kv_cache_manager.get_block_ids(scheduler.requests["again"])[0]) == 5
+    output = ModelRunnerOutput.empty()
+    output.kv_connector_output = worker_report(so)
+    idle = scheduler.schedule()
+    scheduler.update_from_output(idle, output)
+    so = step(scheduler)
+    assert so.num_scheduled_tokens["again"] == 1  # straight from its load, in the blocks it holds
+    run_to_end(scheduler)
+    scheduler.check_idle()
