@@ -83,12 +83,15 @@ def batched_chat(llm: LLM, seed: int = 1, turns: int = 3) -> list[list[int]]:
     return answers
 
 
-def test_batched_chat_with_preemption_matches_offload_off(tiny_llama3: str) -> None:
+@pytest.mark.parametrize("budget", [None, 16], ids=["default-budget", "full-steps"])
+def test_batched_chat_with_preemption_matches_offload_off(tiny_llama3: str, budget: int | None) -> None:
+    """With a 16-token step budget every prefill step is full, so loads start ahead of it
+    (and requests, each prefilled over steps, no longer preempt each other)."""
     expected = batched_chat(make_llm(tiny_llama3, offload=False))
-    llm = make_llm(tiny_llama3, async_scheduling=True)
+    llm = make_llm(tiny_llama3, async_scheduling=True, max_num_batched_tokens=budget)
     assert batched_chat(llm) == expected
     figures = stats(llm)
-    assert figures.num_preemptions > 0 and figures.kv_transfer.hit_tokens > 0
+    assert (figures.num_preemptions > 0) == (budget is None) and figures.kv_transfer.hit_tokens > 0
 
 
 def stats(llm: LLM):
