@@ -210,59 +210,76 @@ def p50_by_turn(run: ChatRun, turn: int) -> float:
     return statistics.median(t for t, k in zip(run.ttfts, run.turns, strict=True) if k == turn)
 
 
+# The runs: offload off, on, and on with kv_offload_prompts_first (decoding requests swapped
+# out to the host for waiting prompts).
+RUNS = {
+    "off": {},
+    "on": {"kv_offload_gib": None},
+    "on, prompts first": {"kv_offload_gib": None, "kv_offload_prompts_first": True},
+}
+
+
+def report_transfers(llm: LLM, args: argparse.Namespace) -> float:
+    """Print the run's transfer figures and the copier's own bandwidth; returns its load GB/s."""
+    transfer = llm.llm_engine.engine_core.scheduler.make_stats().kv_transfer
+    load_gbs = transfer.load_bytes / transfer.load_seconds / 1e9 if transfer.load_seconds else 0.0
+    copier_load, copier_save = copier_bandwidth(llm, args)
+    print(
+        f"  host hits {transfer.hit_tokens} tokens in {transfer.num_loads} loads, {transfer.load_bytes / 1e9:.2f} GB "
+        f"loaded at {load_gbs:.1f} GB/s (engine loads), {transfer.save_bytes / 1e9:.2f} GB saved; "
+        f"failures {transfer.num_failed_transfers}"
+    )
+    print(f"  BlockCopier alone, {args.copier_blocks} blocks: load {copier_load:.1f} GB/s, save {copier_save:.1f} GB/s")
+    return copier_load
+
+
 def main() -> None:
     args = parse_args()
     settings = engine_settings(args)
-    runs: dict[bool, ChatRun] = {}
-    stats = {}
+    runs: dict[str, ChatRun] = {}
+    hits = {}
     copier_load = 0.0
-    for offload in (False, True):
-        extra = {"kv_offload_gib": args.kv_offload_gib} if offload else {}
+    for label, options in RUNS.items():
+        extra = {key: args.kv_offload_gib if value is None else value for key, value in options.items()}
         llm = LLM(**settings, **extra)
         config = llm.llm_engine.engine_core.executor.worker.model_runner.kv_cache_config
-        label = "offload on" if offload else "offload off"
         print(
-            f"{label}: {config.num_blocks - 1} device blocks of {block_bytes(config) / 2**20:.2f} MiB "
+            f"offload {label}: {config.num_blocks - 1} device blocks of {block_bytes(config) / 2**20:.2f} MiB "
             f"({(config.num_blocks - 1) * args.block_size} tokens)",
             flush=True,
         )
-        runs[offload] = run_chats(llm, args, forced=runs[False].answers if offload else None)
-        stats[offload] = llm.llm_engine.engine_core.scheduler.make_stats()
-        if offload:
-            transfer = stats[offload].kv_transfer
-            load_gbs = transfer.load_bytes / transfer.load_seconds / 1e9 if transfer.load_seconds else 0.0
-            copier_load, copier_save = copier_bandwidth(llm, args)
-            print(
-                f"  host hits {transfer.hit_tokens} tokens in {transfer.num_loads} loads, {transfer.load_bytes / 1e9:.2f} GB "
-                f"loaded at {load_gbs:.1f} GB/s (engine loads), {transfer.save_bytes / 1e9:.2f} GB saved; "
-                f"failures {transfer.num_failed_transfers}"
-            )
-            print(
-                f"  BlockCopier alone, {args.copier_blocks} blocks: load {copier_load:.1f} GB/s, save {copier_save:.1f} GB/s"
-            )
+        runs[label] = run_chats(llm, args, forced=runs["off"].answers if extra else None)
+        stats = llm.llm_engine.engine_core.scheduler.make_stats()
+        hits[label] = stats.prefix_cache_hits
+        print(f"  preemptions {stats.num_preemptions}")
+        if extra:
+            copier_load = report_transfers(llm, args)
         free(llm)
-    off, on = runs[False], runs[True]
-    print("per turn: TTFT p50 off / on ms, GB loaded, floor of the loads alone (at the copier's bandwidth)")
-    for turn in range(1, args.turns):
-        load_gb = on.turn_load_bytes[turn] / 1e9
+    off = runs["off"]
+    labels = list(RUNS)
+    print(
+        f"per turn: TTFT p50 ms ({' / '.join(labels)}), GB loaded (on), "
+        "floor of those loads alone at the copier's bandwidth; turn 1 has no history: its TTFT is the prefill queue's"
+    )
+    for turn in range(args.turns):
+        load_gb = runs["on"].turn_load_bytes[turn] / 1e9
         floor = f"{load_gb / copier_load * 1e3:.0f} ms" if copier_load else "-"
-        print(
-            f"  turn {turn + 1}: {p50_by_turn(off, turn) * 1e3:.0f} / {p50_by_turn(on, turn) * 1e3:.0f}, "
-            f"{load_gb:.2f} GB, {floor}"
-        )
+        p50s = " / ".join(f"{p50_by_turn(runs[label], turn) * 1e3:.0f}" for label in labels)
+        print(f"  turn {turn + 1}: {p50s}, {load_gb:.2f} GB, {floor}")
     later = [i for i, turn in enumerate(off.turns) if turn]
-    off_ttfts, on_ttfts = [off.ttfts[i] for i in later], [on.ttfts[i] for i in later]
-    off_p50, on_p50 = statistics.median(off_ttfts), statistics.median(on_ttfts)
-    p90 = {name: statistics.quantiles(ttfts, n=10)[-1] for name, ttfts in (("off", off_ttfts), ("on", on_ttfts))}
-    print(
-        f"TTFT p50: off {off_p50 * 1e3:.1f} ms, on {on_p50 * 1e3:.1f} ms ({off_p50 / on_p50:.2f}x lower); "
-        f"p90: off {p90['off'] * 1e3:.1f} ms, on {p90['on'] * 1e3:.1f} ms; "
-        f"wall: off {off.turn_walls[-1]:.1f} s, on {on.turn_walls[-1]:.1f} s"
-    )
-    print(
-        f"device prefix-cache hits: off {stats[False].prefix_cache_hits}, on {stats[True].prefix_cache_hits} tokens; "
-        f"greedy answers on vs off (same prompts): {compare_answers(off, on)}"
-    )
+    ttfts = {label: [run.ttfts[i] for i in later] for label, run in runs.items()}
+    off_p50 = statistics.median(ttfts["off"])
+    for label in labels[1:]:
+        p50 = statistics.median(ttfts[label])
+        p90s = {name: statistics.quantiles(ttfts[name], n=10)[-1] for name in ("off", label)}
+        print(
+            f"TTFT p50 (turns 2+): off {off_p50 * 1e3:.1f} ms, on{label[2:]} {p50 * 1e3:.1f} ms "
+            f"({off_p50 / p50:.2f}x lower); p90: off {p90s['off'] * 1e3:.1f} ms, {p90s[label] * 1e3:.1f} ms; "
+            f"wall: off {off.turn_walls[-1]:.1f} s, {runs[label].turn_walls[-1]:.1f} s"
+        )
+    print(f"device prefix-cache hits (tokens): {', '.join(f'{label} {hits[label]}' for label in labels)}")
+    for label in labels[1:]:
+        print(f"greedy answers, {label} vs off (same prompts): {compare_answers(off, runs[label])}")
 
 
 if __name__ == "__main__":

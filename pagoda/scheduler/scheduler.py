@@ -100,6 +100,7 @@ class Scheduler:
             if connector is not None
             else None
         )
+        self.prompts_first = cache_config.kv_offload_prompts_first
         # Images' encoder runs: scheduled with the chunk that first needs them, within a budget.
         self.encoder_scheduler = EncoderScheduler(scheduler_config.max_num_encoder_input_tokens or budget)
 
@@ -223,6 +224,7 @@ class Scheduler:
         proposals = self._propose() if self.num_speculative_tokens else {}
         if self.remote_kv is not None:
             self.waiting.extendleft(reversed(self.remote_kv.expire()))
+        swapped = self._make_room_for_prompts() if self.prompts_first else set()
 
         # The running requests' entries (never resumed ones), gathered in local lists: this loop
         # runs for every decoding request every step.
@@ -393,6 +395,7 @@ class Scheduler:
 
         if self.remote_kv is not None and not preempted_req_ids:
             self._start_loads_ahead()
+        preempted_req_ids |= swapped
 
         for request, num_new in scheduled:
             request.num_computed_tokens += num_new
@@ -677,20 +680,57 @@ class Scheduler:
         """
         while (new_block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
             victim = self.running.pop()
-            self.kv_cache_manager.free(victim)
-            self.encoder_scheduler.free(victim.request_id)
-            if self.proposer is not None:
-                self.proposer.remove(victim.request_id)
-            victim.status = RequestStatus.PREEMPTED
-            victim.spec_token_ids = []
-            victim.num_computed_tokens = 0
-            victim.num_preemptions += 1
-            self.num_preemptions += 1
+            self._preempt(victim)
             self.waiting.appendleft(victim)
             preempted_req_ids.add(victim.request_id)
             if victim is request:
                 return None
         return new_block_ids
+
+    def _preempt(self, victim: Request) -> None:
+        """Free a running request's blocks; it restarts from its prefix-cache hits (and, with a
+        KV connector, the tokens the connector supplies)."""
+        self.kv_cache_manager.free(victim)
+        self.encoder_scheduler.free(victim.request_id)
+        if self.proposer is not None:
+            self.proposer.remove(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.spec_token_ids = []
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _make_room_for_prompts(self) -> set[str]:
+        """kv_offload_prompts_first: the blocks the prompts at the head of the queue need this
+        step (their device hits aside, their host hits and first chunks within the step budget
+        counted), freed by swapping out decoding requests that were never preempted, newest
+        first. The swapped requests go to the back of the queue; their blocks stay cached and
+        go to the host as they are evicted. Returns their ids."""
+        assert self.remote_kv is not None
+        kv = self.kv_cache_manager
+        block_size = kv.hash_block_size
+        need, budget = 0, self.max_num_batched_tokens
+        for request in self.waiting:
+            if request.num_output_tokens or request.waits_for_grammar or budget <= 0:
+                break
+            if request.num_computed_tokens:  # back from its load: its first chunk's blocks are held
+                budget -= request.num_tokens - request.num_computed_tokens
+                continue
+            _, num_hits = kv.get_computed_blocks(request)
+            external = self.remote_kv.connector.get_num_new_matched_tokens(request, num_hits)
+            chunk = min(request.num_tokens - num_hits - external, budget)
+            budget -= chunk
+            need += -(-(num_hits + external + chunk) // block_size) - num_hits // block_size
+        swapped: set[str] = set()
+        while need > kv.block_pool.num_free_blocks:
+            victim = next((r for r in reversed(self.running) if r.num_output_tokens and not r.num_preemptions), None)
+            if victim is None:
+                break
+            self.running.remove(victim)
+            self._preempt(victim)
+            self.waiting.append(victim)
+            swapped.add(victim.request_id)
+        return swapped
 
     @staticmethod
     def _check_stop(request: Request, token_id: int) -> RequestStatus | None:
