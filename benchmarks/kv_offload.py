@@ -19,7 +19,9 @@ both runs see the same prompts and every answer can be compared. Restored KV is 
 bytes, but the off run recomputes it in other batches, and in bf16 that is not bit-equal:
 a greedy answer may take the other branch of a near-tie. So the check reports the answers
 equal, the first tokens equal, and the off run's top-2 logprob margin at each divergence:
-a wrong block would diverge at clear margins, noise only at near-ties.
+a wrong block would diverge at clear margins, noise only at near-ties. With
+`--batch-invariant` (kernels whose rows do not depend on the batch, nor on chunking or
+caching: slower, so for this check rather than the timings) every answer must be equal.
 
     python benchmarks/kv_offload.py                      # Llama-3.1-8B shape, H200: the figures
     python benchmarks/kv_offload.py --model DIR --device cpu --conversations 4 --turns 3 \
@@ -64,6 +66,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--copier-blocks", type=int, default=512, help="blocks per isolated copier timing")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-invariant", action="store_true", help="exact answers check (see above)")
     return parser.parse_args()
 
 
@@ -72,7 +75,10 @@ def engine_settings(args: argparse.Namespace) -> dict:
     total_tokens = args.conversations * context
     num_blocks = max(int(args.pool_fraction * total_tokens) // args.block_size, context // args.block_size + 2)
     load_format = args.load_format or ("dummy" if "/" not in args.model else "auto")
+    # Batch invariance runs on the Triton attention backend.
+    backend = {"attention_backend": "triton"} if args.batch_invariant else {}
     return dict(
+        **backend,
         model=args.model,
         load_format=load_format,
         device=args.device,
@@ -82,6 +88,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
         max_model_len=context + args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        batch_invariant=args.batch_invariant,
         seed=args.seed,
     )
 
