@@ -38,7 +38,9 @@ prefix cache; last-token pooling chunks and hits the cache like any prompt.
 A KV connector (CPU offload: `kv_offload_gib`; disaggregated prefill: `kv_role`) may supply tokens past the prefix-cache hits: the
 request then waits for their load outside the queues (see `RemoteKV`), and each step carries
 the connector's jobs in `kv_connector_metadata`. Loads take no token budget, so they are
-started for the requests next in line even once a step is full.
+started for the requests next in line even once a step is full. With
+`kv_offload_prompts_first`, prompts that do not fit swap out decoding requests, which resume
+from the host (`_make_room_for_prompts`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`OffloadingWorker`: the worker half of CPU offload, running the scheduler's copy jobs.
 
-On CUDA, saves run on a save stream and loads on a load stream, each first waiting for the
+On CUDA, saves run on a save stream and loads on a load stream (both high priority, each with
+the copier's side stream for its gathers or scatters: see copier.py), each first waiting for the
 work already queued on the compute stream (a block handed to a load may still be written by
 an earlier step of its previous owner, in flight under async scheduling); a save of blocks
 reused this step makes the compute stream wait for it. Completion is polled through events.
