@@ -703,14 +703,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _make_room_for_prompts(self) -> set[str]:
-        """kv_offload_prompts_first: the blocks the prompts at the head of the queue need this
-        step (their device hits aside, their host hits and first chunks within the step budget
-        counted), freed by swapping out decoding requests that were never preempted, newest
-        first. The swapped requests go to the back of the queue; their blocks stay cached and
-        go to the host as they are evicted. Returns their ids."""
+        """kv_offload_prompts_first: the blocks the prompts at the head of the queue take this
+        step (as `allocate_slots` counts them: their host hits and first chunks within the step
+        budget, and their device hits that sit free), freed by swapping out decoding requests
+        that were never preempted, newest first. The swapped requests go to the back of the
+        queue; their blocks stay cached and go to the host as they are evicted. Returns their ids."""
         assert self.remote_kv is not None
         kv = self.kv_cache_manager
-        block_size = kv.hash_block_size
         need, budget = 0, self.max_num_batched_tokens
         for request in self.waiting:
             if request.num_output_tokens or request.waits_for_grammar or budget <= 0:
@@ -718,11 +717,14 @@ class Scheduler:
             if request.num_computed_tokens:  # back from its load: its first chunk's blocks are held
                 budget -= request.num_tokens - request.num_computed_tokens
                 continue
-            _, num_hits = kv.get_computed_blocks(request)
+            hit_blocks, num_hits = kv.get_computed_blocks(request)
             external = self.remote_kv.connector.get_num_new_matched_tokens(request, num_hits)
             chunk = min(request.num_tokens - num_hits - external, budget)
             budget -= chunk
-            need += -(-(num_hits + external + chunk) // block_size) - num_hits // block_size
+            need += sum(
+                manager.num_blocks_to_allocate(request.request_id, num_hits + external + chunk, blocks)
+                for manager, blocks in zip(kv.managers, hit_blocks, strict=True)
+            )
         swapped: set[str] = set()
         while need > kv.block_pool.num_free_blocks:
             victim = next((r for r in reversed(self.running) if r.num_output_tokens and not r.num_preemptions), None)
