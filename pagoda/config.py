@@ -233,6 +233,11 @@ class CacheConfig:
     # With offload: also copy every cached block of a request when it ends (its blocks are held
     # until copied), so an eviction later finds it on the host already.
     kv_offload_save_on_finish: bool = False
+    # With offload: when waiting prompts do not fit, swap out decoding requests (newest first,
+    # each at most once) for them: their KV goes to the host and comes back on resume, so
+    # first tokens come at the prefill rate even when the pool holds few contexts (at the
+    # cost of the swapped requests' next token).
+    kv_offload_prompts_first: bool = False
     # Seconds a request may wait for its KV to load before it recomputes instead.
     kv_load_timeout_s: float = 30.0
     # Disaggregated prefill (pagoda/kv_transfer/disagg): a producer holds a prefilled request's
@@ -269,6 +274,8 @@ class CacheConfig:
             raise ConfigError("kv_role and kv_offload_gib are two KV connectors; an engine runs one")
         if self.kv_role is not None and not self.enable_prefix_caching:
             raise ConfigError(f"kv_role {self.kv_role!r} needs prefix caching (transfers are checked by block hashes)")
+        if self.kv_offload_prompts_first and not self.kv_offload_gib:
+            raise ConfigError("kv_offload_prompts_first needs kv_offload_gib (swapped requests resume from the host)")
         if self.kv_offload_gib and not self.enable_prefix_caching:
             raise ConfigError("kv_offload_gib needs prefix caching (the host pool is keyed by its block hashes)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -120,6 +120,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="with --kv-offload-gib: also copy a request's cached blocks to the host when it ends",
     )
     engine.add_argument(
+        "--kv-offload-prompts-first",
+        action="store_true",
+        help="with --kv-offload-gib: waiting prompts that do not fit swap out decoding requests, whose KV "
+        "comes back from the host (lower time to first token, a later next token for the swapped)",
+    )
+    engine.add_argument(
         "--kv-role",
         default=None,
         choices=["producer", "consumer"],
@@ -184,6 +190,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["enable_lora"] = True
     if args.kv_offload_save_on_finish:
         kwargs["kv_offload_save_on_finish"] = True
+    if args.kv_offload_prompts_first:
+        kwargs["kv_offload_prompts_first"] = True
     for name in (
         "tokenizer",
         "max_model_len",

@@ -1,7 +1,8 @@
 """`RemoteKV`: the scheduler's side of a KV connector's transfers.
 
-A request admitted with tokens the connector can supply gets blocks for them and waits in
-WAITING_FOR_REMOTE_KVS (out of the waiting queue, in no batch) until the worker reports its
+A request admitted with tokens the connector can supply gets blocks for them, and for its
+first prefill chunk after them (so it runs as soon as its load is done, instead of waiting
+for room that other loads took meanwhile), and waits in WAITING_FOR_REMOTE_KVS (out of the waiting queue, in no batch) until the worker reports its
 load: done, it goes back to the front of the waiting queue with those tokens computed (its
 blocks registered in the prefix cache); failed or past `kv_load_timeout_s`, it recomputes
 (the connector is not asked for it again). Blocks a transfer still uses when their request
@@ -28,10 +29,14 @@ def _load_hold(req_id: str) -> str:
 
 
 class RemoteKV:
-    def __init__(self, connector: KVConnectorScheduler, kv: KVCacheManager, timeout_s: float) -> None:
+    def __init__(
+        self, connector: KVConnectorScheduler, kv: KVCacheManager, timeout_s: float, chunk_tokens: int
+    ) -> None:
+        """`chunk_tokens`: the most tokens one prefill step computes (the step budget)."""
         self.connector = connector
         self.kv = kv
         self.timeout_s = timeout_s
+        self.chunk_tokens = chunk_tokens
         kv.block_pool.on_evict = connector.on_block_evicted
         self.loading: dict[str, Request] = {}
         # Per loading request: (status to resume with, tokens being loaded, deadline).
@@ -50,7 +55,8 @@ class RemoteKV:
         num_external = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
         if not num_external:
             return None
-        if self.kv.allocate_slots(request, num_external, hit_blocks) is None:
+        num_after = min(request.num_tokens - num_hit_tokens - num_external, self.chunk_tokens)
+        if self.kv.allocate_slots(request, num_external + num_after, hit_blocks) is None:
             return False
         request.num_computed_tokens = num_hit_tokens
         self._loads[request.request_id] = (request.status, num_external, time.monotonic() + self.timeout_s)

@@ -37,7 +37,10 @@ prefix cache; last-token pooling chunks and hits the cache like any prompt.
 
 A KV connector (CPU offload: `kv_offload_gib`; disaggregated prefill: `kv_role`) may supply tokens past the prefix-cache hits: the
 request then waits for their load outside the queues (see `RemoteKV`), and each step carries
-the connector's jobs in `kv_connector_metadata`.
+the connector's jobs in `kv_connector_metadata`. Loads take no token budget, so they are
+started for the requests next in line even once a step is full. With
+`kv_offload_prompts_first`, prompts that do not fit swap out decoding requests, which resume
+from the host (`_make_room_for_prompts`).
 """
 
 from __future__ import annotations
@@ -95,10 +98,11 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(kv_cache_config, cache_config.enable_prefix_caching)
         connector = make_scheduler_connector(cache_config, self.kv_cache_manager)
         self.remote_kv = (
-            RemoteKV(connector, self.kv_cache_manager, cache_config.kv_load_timeout_s)
+            RemoteKV(connector, self.kv_cache_manager, cache_config.kv_load_timeout_s, budget)
             if connector is not None
             else None
         )
+        self.prompts_first = cache_config.kv_offload_prompts_first
         # Images' encoder runs: scheduled with the chunk that first needs them, within a budget.
         self.encoder_scheduler = EncoderScheduler(scheduler_config.max_num_encoder_input_tokens or budget)
 
@@ -222,6 +226,7 @@ class Scheduler:
         proposals = self._propose() if self.num_speculative_tokens else {}
         if self.remote_kv is not None:
             self.waiting.extendleft(reversed(self.remote_kv.expire()))
+        swapped = self._make_room_for_prompts() if self.prompts_first else set()
 
         # The running requests' entries (never resumed ones), gathered in local lists: this loop
         # runs for every decoding request every step.
@@ -389,6 +394,10 @@ class Scheduler:
                 encoder.commit(request.request_id, request.mm_features, images)
                 encoder_inputs[request.request_id] = images
             filling.update(hashes[first_block : (num_hit_tokens + num_new) // kv.hash_block_size])
+
+        if self.remote_kv is not None and not preempted_req_ids:
+            self._start_loads_ahead()
+        preempted_req_ids |= swapped
 
         for request, num_new in scheduled:
             request.num_computed_tokens += num_new
@@ -631,6 +640,30 @@ class Scheduler:
             return 0
         return num_tokens - request.num_computed_tokens
 
+    def _start_loads_ahead(self) -> None:
+        """Loads take no step budget: once the step is full, start those of the waiting
+        requests next in line (FCFS, up to the first that cannot load), so their KV crosses
+        PCIe while this step computes and they are ready when budget frees up."""
+        assert self.remote_kv is not None
+        kv = self.kv_cache_manager
+        position = 0
+        while position < len(self.waiting) and len(self.running) + len(self.remote_kv.loading) < self.max_num_seqs:
+            request = self.waiting[position]
+            if request.num_computed_tokens:
+                position += 1  # back from its load
+                continue
+            if (
+                request.waits_for_grammar
+                or request.num_pending_tokens
+                or (request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens)
+                or (self.whole_prompt_pooling and request.pooling_params is not None)
+            ):
+                return
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if not self.remote_kv.start_load(request, hit_blocks, num_hit_tokens):
+                return
+            del self.waiting[position]
+
     def _unblock_waiting(self) -> None:
         """A waiting request did not fit. With nothing running, nothing would ever free blocks
         but the waiting requests back from a KV load, which hold theirs: they let them go (the
@@ -649,20 +682,59 @@ class Scheduler:
         """
         while (new_block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
             victim = self.running.pop()
-            self.kv_cache_manager.free(victim)
-            self.encoder_scheduler.free(victim.request_id)
-            if self.proposer is not None:
-                self.proposer.remove(victim.request_id)
-            victim.status = RequestStatus.PREEMPTED
-            victim.spec_token_ids = []
-            victim.num_computed_tokens = 0
-            victim.num_preemptions += 1
-            self.num_preemptions += 1
+            self._preempt(victim)
             self.waiting.appendleft(victim)
             preempted_req_ids.add(victim.request_id)
             if victim is request:
                 return None
         return new_block_ids
+
+    def _preempt(self, victim: Request) -> None:
+        """Free a running request's blocks; it restarts from its prefix-cache hits (and, with a
+        KV connector, the tokens the connector supplies)."""
+        self.kv_cache_manager.free(victim)
+        self.encoder_scheduler.free(victim.request_id)
+        if self.proposer is not None:
+            self.proposer.remove(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.spec_token_ids = []
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _make_room_for_prompts(self) -> set[str]:
+        """kv_offload_prompts_first: the blocks the prompts at the head of the queue take this
+        step (as `allocate_slots` counts them: their host hits and first chunks within the step
+        budget, and their device hits that sit free), freed by swapping out decoding requests
+        that were never preempted, newest first. The swapped requests go to the back of the
+        queue; their blocks stay cached and go to the host as they are evicted. Returns their ids."""
+        assert self.remote_kv is not None
+        kv = self.kv_cache_manager
+        need, budget = 0, self.max_num_batched_tokens
+        for request in self.waiting:
+            if request.num_output_tokens or request.waits_for_grammar or budget <= 0:
+                break
+            if request.num_computed_tokens:  # back from its load: its first chunk's blocks are held
+                budget -= request.num_tokens - request.num_computed_tokens
+                continue
+            hit_blocks, num_hits = kv.get_computed_blocks(request)
+            external = self.remote_kv.connector.get_num_new_matched_tokens(request, num_hits)
+            chunk = min(request.num_tokens - num_hits - external, budget)
+            budget -= chunk
+            need += sum(
+                manager.num_blocks_to_allocate(request.request_id, num_hits + external + chunk, blocks)
+                for manager, blocks in zip(kv.managers, hit_blocks, strict=True)
+            )
+        swapped: set[str] = set()
+        while need > kv.block_pool.num_free_blocks:
+            victim = next((r for r in reversed(self.running) if r.num_output_tokens and not r.num_preemptions), None)
+            if victim is None:
+                break
+            self.running.remove(victim)
+            self._preempt(victim)
+            self.waiting.append(victim)
+            swapped.add(victim.request_id)
+        return swapped
 
     @staticmethod
     def _check_stop(request: Request, token_id: int) -> RequestStatus | None:

@@ -83,12 +83,20 @@ def batched_chat(llm: LLM, seed: int = 1, turns: int = 3) -> list[list[int]]:
     return answers
 
 
-def test_batched_chat_with_preemption_matches_offload_off(tiny_llama3: str) -> None:
+@pytest.mark.parametrize(
+    "settings, preempts",
+    [({}, True), ({"max_num_batched_tokens": 16}, False), ({"kv_offload_prompts_first": True}, True)],
+    ids=["default", "full-steps", "prompts-first"],
+)
+def test_batched_chat_with_preemption_matches_offload_off(tiny_llama3: str, settings: dict, preempts: bool) -> None:
+    """With a 16-token step budget every prefill step is full, so loads start ahead of it
+    (and requests, each prefilled over steps, no longer preempt each other); with prompts
+    first, decoding requests are swapped out for the waiting prompts and resume from the host."""
     expected = batched_chat(make_llm(tiny_llama3, offload=False))
-    llm = make_llm(tiny_llama3, async_scheduling=True)
+    llm = make_llm(tiny_llama3, async_scheduling=True, **settings)
     assert batched_chat(llm) == expected
     figures = stats(llm)
-    assert figures.num_preemptions > 0 and figures.kv_transfer.hit_tokens > 0
+    assert (figures.num_preemptions > 0) == preempts and figures.kv_transfer.hit_tokens > 0
 
 
 def stats(llm: LLM):
@@ -251,6 +259,7 @@ def test_load_timeout_recomputes(tiny_llama3: str) -> None:
         ({"kv_offload_gib": 1.0, "enable_prefix_caching": False}, "kv_offload_gib needs prefix caching"),
         ({"kv_offload_gib": 1e-9}, "kv_offload_gib 1e-09 holds no block"),
         ({"kv_load_timeout_s": 0.0}, "kv_load_timeout_s must be > 0"),
+        ({"kv_offload_prompts_first": True}, "kv_offload_prompts_first needs kv_offload_gib"),
     ],
 )
 def test_bad_offload_settings_name_the_field(tiny_llama3: str, settings: dict, match: str) -> None:

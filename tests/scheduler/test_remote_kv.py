@@ -22,9 +22,12 @@ BLOCK_BYTES = 1024  # two layers of 2 KV heads x 8, float32, 4 tokens
 PROMPT = list(range(100, 117))  # 17 tokens: 4 blocks may hit
 
 
-def make_scheduler(num_blocks: int, save_on_finish: bool = False) -> Scheduler:
+def make_scheduler(num_blocks: int, save_on_finish: bool = False, prompts_first: bool = False) -> Scheduler:
     cache = CacheConfig(
-        block_size=BLOCK_SIZE, kv_offload_gib=64 * BLOCK_BYTES / 2**30, kv_offload_save_on_finish=save_on_finish
+        block_size=BLOCK_SIZE,
+        kv_offload_gib=64 * BLOCK_BYTES / 2**30,
+        kv_offload_save_on_finish=save_on_finish,
+        kv_offload_prompts_first=prompts_first,
     )
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     return Scheduler(config, cache, kv_cache_config(num_blocks, BLOCK_SIZE))
@@ -90,7 +93,9 @@ def test_a_host_hit_waits_for_its_load_then_runs_from_it() -> None:
     waiting = scheduler.requests["again"]
     assert waiting.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not scheduler.waiting
     load = so.kv_connector_metadata.loads[0]
-    assert len(load.slots) == 4 and list(load.block_ids) == scheduler.kv_cache_manager.get_block_ids(waiting)[0]
+    # It holds the block of its 17th token too: its first prefill chunk runs once it is loaded.
+    (held,) = scheduler.kv_cache_manager.get_block_ids(waiting)
+    assert len(load.slots) == 4 and list(load.block_ids) == held[:4] and len(held) == 5
     # Reported done (with the saves of the blocks its allocation evicted): back at the front of
     # the queue, its 16 tokens computed and cached.
     idle = scheduler.schedule()
@@ -126,3 +131,50 @@ def test_save_on_finish_holds_the_blocks_and_the_request_id() -> None:
     run_to_end(scheduler)
     scheduler.check_idle()
     assert scheduler.remote_kv.connector.index.num_cached == 4
+
+
+def test_a_load_starts_while_the_step_budget_is_spent_on_another_prefill() -> None:
+    scheduler = make_scheduler(num_blocks=10)
+    evict(scheduler)
+    scheduler.max_num_batched_tokens = 16
+    scheduler.add_request(request("busy", list(range(300, 316))))  # 16 tokens: the whole budget
+    scheduler.add_request(request("again", PROMPT))
+    so = step(scheduler, report=False)
+    assert so.num_scheduled_tokens == {"busy": 16}
+    # Started anyway: its KV crosses PCIe during busy's step, into the 4 blocks it reads.
+    (load,) = so.kv_connector_metadata.loads
+    assert len(load.block_ids) == 4
+    assert scheduler.requests["again"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(scheduler.kv_cache_manager.get_block_ids(scheduler.requests["again"])[0]) == 5
+    output = ModelRunnerOutput.empty()
+    output.kv_connector_output = worker_report(so)
+    idle = scheduler.schedule()
+    scheduler.update_from_output(idle, output)
+    so = step(scheduler)
+    assert so.num_scheduled_tokens["again"] == 1  # straight from its load, in the blocks it holds
+    run_to_end(scheduler)
+    scheduler.check_idle()
+
+
+@pytest.mark.parametrize("prompts_first", [False, True], ids=["fcfs", "prompts-first"])
+def test_prompts_first_swaps_a_decoding_request_out_once(prompts_first: bool) -> None:
+    scheduler = make_scheduler(num_blocks=10, prompts_first=prompts_first)  # 9 blocks: one 17-token prompt
+    scheduler.add_request(request("a", PROMPT, max_tokens=6))
+    step(scheduler)
+    step(scheduler)  # a decodes
+    scheduler.add_request(request("b", list(range(300, 317)), max_tokens=4))
+    so = step(scheduler)
+    if not prompts_first:
+        assert so.num_scheduled_tokens == {"a": 1} and not so.preempted_req_ids  # b waits for a to end
+        run_to_end(scheduler)
+        return
+    # a goes out (to the back of the queue, its blocks cached, saved as they are evicted), b in.
+    assert so.preempted_req_ids == {"a"} and so.num_scheduled_tokens == {"b": 17}
+    assert [r.request_id for r in scheduler.waiting] == ["a"]
+    scheduler.add_request(request("c", list(range(400, 417))))
+    so = step(scheduler)
+    # c queues behind a: a swapped request keeps its place before later prompts.
+    assert so.num_scheduled_tokens == {"b": 1} and not so.preempted_req_ids
+    run_to_end(scheduler)
+    assert scheduler.requests == {} and scheduler.num_preemptions == 1
+    scheduler.check_idle()

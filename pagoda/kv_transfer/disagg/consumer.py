@@ -26,7 +26,7 @@ from pagoda.kv_transfer.disagg import shm
 from pagoda.kv_transfer.disagg.channel import ACK, PULL, ChannelError, ControlClient
 from pagoda.kv_transfer.disagg.scheduler import BlockPull, PullMetadata
 from pagoda.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, KVTransferStats
-from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views, copy_on_stream
+from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views, copy_on_stream, copy_stream
 from pagoda.worker.kv_connector.base import KVConnector
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class ConsumerWorker(KVConnector):
         self.copier = BlockCopier(num_tensors, page_bytes, 0, device, directions=("load",))
         self.timeout_s = timeout_s
         self.on_cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self._stream = copy_stream(device) if self.on_cuda else None
         self._context = zmq.Context()
         # One thread: on CUDA the copier's staging buffer serves one copy at a time.
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagoda-kv-consumer")

@@ -28,7 +28,7 @@ from pagoda.kv_transfer.disagg import shm
 from pagoda.kv_transfer.disagg.channel import ACK, PULL, ChannelError, decode, encode
 from pagoda.kv_transfer.disagg.scheduler import ExportMetadata
 from pagoda.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, KVTransferStats
-from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views, copy_on_stream
+from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views, copy_on_stream, copy_stream
 from pagoda.worker.kv_connector.base import KVConnector
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class ProducerWorker(KVConnector):
         self.hold_timeout_s = hold_timeout_s
         self.copier = BlockCopier(num_tensors, page_bytes, 0, device, directions=("save",))
         self.on_cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self._stream = copy_stream(device) if self.on_cuda else None
         self._changed = threading.Condition()
         self._exports: dict[str, _Export] = {}
         # Ended exports not reported yet: request id -> True when pulled and acknowledged.

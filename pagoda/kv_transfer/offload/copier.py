@@ -8,6 +8,12 @@ is gathered on the device into a staging buffer (device-to-device, at HBM bandwi
 staging rows go to or from the host in runs of consecutive slots; on the CPU the host pool is
 addressed directly.
 
+On CUDA a copy runs as a two-stage pipeline over two staging buffers: the PCIe copies on the
+caller's stream (the copy engine) and the gathers or scatters on a side stream (the SMs), so
+the copy engine fills one buffer while the other's kernels wait for SMs a forward on the
+compute stream is using. Both streams are high priority: those small kernels are scheduled
+ahead of the forward's waiting thread blocks instead of after the whole kernel.
+
 The pool may be empty (`num_host_blocks` 0): disaggregated prefill copies between the cache
 and one shared-memory segment per transfer, laid out the same way, passed as `host`.
 """
@@ -23,8 +29,11 @@ import torch
 if TYPE_CHECKING:
     from pagoda.kv_cache_interface import KVCacheConfig
 
-# Device staging per direction: large enough for full-bandwidth copies, small next to the cache.
+# Device staging per direction (both buffers): large enough for full-bandwidth copies, small
+# next to the cache.
 STAGING_BYTES = 128 << 20
+# CUDA stream priority of the copy streams (lower is more urgent; clamped to the device's range).
+COPY_STREAM_PRIORITY = -1
 
 
 def pinned_empty(shape: tuple[int, ...]) -> torch.Tensor:
@@ -64,6 +73,11 @@ def copy_on_stream(stream: torch.cuda.Stream | None, ready: torch.cuda.Event | N
     stream.synchronize()
 
 
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """A high-priority stream for KV copies (see the module docstring)."""
+    return torch.cuda.Stream(device, priority=COPY_STREAM_PRIORITY)
+
+
 def cache_byte_views(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> list[torch.Tensor]:
     """One [2, num_blocks, page/2] byte view per KV-cache tensor (what `BlockCopier.bind` takes)."""
     num_blocks = kv_cache_config.num_blocks
@@ -97,13 +111,21 @@ class BlockCopier:
             weakref.finalize(self, _unregister, self.host)
         else:
             self.host = torch.empty(shape, dtype=torch.uint8)
-        self.staging_blocks = max(1, min(num_host_blocks or STAGING_BYTES, STAGING_BYTES // self.block_bytes))
-        self._staging: dict[str, torch.Tensor] = {}
+        staging_blocks = max(1, min(num_host_blocks or STAGING_BYTES, STAGING_BYTES // self.block_bytes))
+        # Blocks per pipeline chunk: half the staging, so two chunks are in flight.
+        self.chunk_blocks = max(1, staging_blocks // 2)
+        num_buffers = 2 if staging_blocks > 1 else 1
+        self._staging: dict[str, list[torch.Tensor]] = {}
+        self._side: dict[str, torch.cuda.Stream] = {}
+        self._freed: dict[str, list[torch.cuda.Event]] = {}
         if self.on_cuda:
-            self._staging = {
-                kind: torch.empty((self.staging_blocks, *self.block_shape), dtype=torch.uint8, device=device)
-                for kind in directions
-            }
+            for kind in directions:
+                self._staging[kind] = [
+                    torch.empty((self.chunk_blocks, *self.block_shape), dtype=torch.uint8, device=device)
+                    for _ in range(num_buffers)
+                ]
+                self._side[kind] = copy_stream(device)
+                self._freed[kind] = [torch.cuda.Event() for _ in range(num_buffers)]
         self.caches: list[torch.Tensor] = []
 
     def bind(self, caches: Sequence[torch.Tensor]) -> None:
@@ -126,14 +148,20 @@ class BlockCopier:
             gathered = torch.stack([cache.index_select(1, self._ids(block_ids)) for cache in self.caches])
             host.index_copy_(0, torch.tensor(slots, dtype=torch.long), gathered.permute(2, 0, 1, 3))
             return
-        staging = self._staging["save"]
-        for first in range(0, len(block_ids), self.staging_blocks):
-            chunk = block_ids[first : first + self.staging_blocks]
-            ids = self._ids(chunk)
-            for t, cache in enumerate(self.caches):
-                staging[: len(chunk), t].copy_(cache.index_select(1, ids).transpose(0, 1))
-            for slot, index, length in slot_runs(slots[first : first + len(chunk)]):
+        stream, side = self._enter_pipeline("save")
+        with torch.cuda.stream(side):
+            ids = self._ids(block_ids)
+        for first, staging, freed in self._chunks("save", len(block_ids)):
+            count = min(self.chunk_blocks, len(block_ids) - first)
+            with torch.cuda.stream(side):
+                side.wait_event(freed)  # the host copy of the buffer's last chunk is done
+                chunk_ids = ids[first : first + count]
+                for t, cache in enumerate(self.caches):
+                    staging[:count, t].copy_(cache.index_select(1, chunk_ids).transpose(0, 1))
+            stream.wait_stream(side)
+            for slot, index, length in slot_runs(slots[first : first + count]):
                 host[slot : slot + length].copy_(staging[index : index + length], non_blocking=True)
+            freed.record(stream)
 
     def load(self, slots: Sequence[int], block_ids: Sequence[int], host: torch.Tensor | None = None) -> None:
         """Host slots (of `host`, default the pool) to device blocks: done now on the CPU,
@@ -145,14 +173,36 @@ class BlockCopier:
             for t, cache in enumerate(self.caches):
                 cache.index_copy_(1, ids, source[:, t].transpose(0, 1))
             return
-        staging = self._staging["load"]
-        for first in range(0, len(block_ids), self.staging_blocks):
-            chunk = block_ids[first : first + self.staging_blocks]
-            for slot, index, length in slot_runs(slots[first : first + len(chunk)]):
+        stream, side = self._enter_pipeline("load")
+        with torch.cuda.stream(side):
+            ids = self._ids(block_ids)
+        for first, staging, freed in self._chunks("load", len(block_ids)):
+            count = min(self.chunk_blocks, len(block_ids) - first)
+            stream.wait_event(freed)  # the scatter of the buffer's last chunk is done
+            for slot, index, length in slot_runs(slots[first : first + count]):
                 staging[index : index + length].copy_(host[slot : slot + length], non_blocking=True)
-            ids = self._ids(chunk)
-            for t, cache in enumerate(self.caches):
-                cache.index_copy_(1, ids, staging[: len(chunk), t].transpose(0, 1))
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):
+                chunk_ids = ids[first : first + count]
+                for t, cache in enumerate(self.caches):
+                    cache.index_copy_(1, chunk_ids, staging[:count, t].transpose(0, 1))
+                freed.record(side)
+        stream.wait_stream(side)
+
+    def _enter_pipeline(self, kind: str) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The caller's stream and `kind`'s side stream, which first waits for what the caller
+        queued (its copies may depend on it). A staging buffer is reused only after the event
+        of its last chunk, in this copy or an earlier one on any stream."""
+        stream = torch.cuda.current_stream(self.device)
+        side = self._side[kind]
+        side.wait_stream(stream)
+        return stream, side
+
+    def _chunks(self, kind: str, num_blocks: int) -> Iterator[tuple[int, torch.Tensor, torch.cuda.Event]]:
+        """(first block index, its staging buffer, the event that frees that buffer) per chunk."""
+        buffers, freed = self._staging[kind], self._freed[kind]
+        for k, first in enumerate(range(0, num_blocks, self.chunk_blocks)):
+            yield first, buffers[k % len(buffers)], freed[k % len(buffers)]
 
     def scribble(self, block_ids: Sequence[int]) -> None:
         """Fill device blocks with 0xFF bytes (NaN in every float format): what a load that

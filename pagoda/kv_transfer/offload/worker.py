@@ -1,6 +1,7 @@
 """`OffloadingWorker`: the worker half of CPU offload, running the scheduler's copy jobs.
 
-On CUDA, saves run on a save stream and loads on a load stream, each first waiting for the
+On CUDA, saves run on a save stream and loads on a load stream (both high priority, each with
+the copier's side stream for its gathers or scatters: see copier.py), each first waiting for the
 work already queued on the compute stream (a block handed to a load may still be written by
 an earlier step of its previous owner, in flight under async scheduling); a save of blocks
 reused this step makes the compute stream wait for it. Completion is polled through events.
@@ -18,7 +19,7 @@ import torch
 
 from pagoda.kv_cache_interface import KVCacheConfig
 from pagoda.kv_transfer.interface import KVConnectorMetadata, KVConnectorOutput, KVTransferStats
-from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views
+from pagoda.kv_transfer.offload.copier import BlockCopier, cache_byte_views, copy_stream
 from pagoda.kv_transfer.offload.scheduler import BlockCopyJob, OffloadMetadata
 from pagoda.worker.kv_connector.base import KVConnector
 
@@ -72,7 +73,7 @@ class OffloadingWorker(KVConnector):
         self._streams: dict[str, torch.cuda.Stream] = {}
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         if device.type == "cuda":
-            self._streams = {kind: torch.cuda.Stream(device) for kind in ("save", "load")}
+            self._streams = {kind: copy_stream(device) for kind in ("save", "load")}
         else:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagoda-kv-offload")
         logger.info(
