@@ -40,6 +40,7 @@ def staged_sizes(max_num_reqs: int, max_num_tokens: int) -> dict[str, tuple[int,
         "behind.logits_index": (max_num_tokens, torch.int64),
         "behind.logits_row": (max_num_tokens, torch.int64),
         "behind.output_delta": (max_num_reqs, torch.int64),
+        "behind.sample_index": (max_num_reqs, torch.int64),
     }
 
 
@@ -49,6 +50,8 @@ class StagedRows:
 
     rows: np.ndarray  # batch rows
     rows_device: torch.Tensor
+    sample_index: np.ndarray  # their indices among the step's sampled rows (every one samples)
+    sample_index_device: torch.Tensor
     first_token: torch.Tensor  # [rows] each row's first token in the step
     verified_index: torch.Tensor  # [rows] its index among the verify step's sampled rows
     verified_drafts: torch.Tensor  # [rows] the drafts it verified there
@@ -121,7 +124,9 @@ class BehindVerify:
         buffers["behind.token_index"].np[:num_tokens] = token_index
         buffers["behind.token_row"].np[:num_tokens] = token_row
         # Each row samples at all its tokens (its drafts and the one before them).
-        first_logits = logits_start[np.searchsorted(sample_rows, rows)]
+        sample_index = np.searchsorted(sample_rows, rows)
+        first_logits = logits_start[sample_index]
+        buffers["behind.sample_index"].np[: len(rows)] = sample_index
         buffers["behind.logits_index"].np[:num_tokens] = np.repeat(first_logits, counts) + offsets
         buffers["behind.logits_row"].np[:num_tokens] = token_row
         buffers["behind.output_delta"].np[: len(rows)] = output_delta[rows]
@@ -129,6 +134,8 @@ class BehindVerify:
         return StagedRows(
             rows=rows,
             rows_device=stage(buffers["behind.rows"], len(rows)),
+            sample_index=sample_index,
+            sample_index_device=stage(buffers["behind.sample_index"], len(rows)),
             first_token=stage(buffers["behind.first_token"], len(rows)),
             verified_index=stage(buffers["behind.verified_index"], len(rows)),
             verified_drafts=stage(buffers["behind.verified_drafts"], len(rows)),
@@ -175,3 +182,10 @@ class BehindVerify:
         the step's sampling metadata's, [logits] on the device, as the host wrote them)."""
         delta = (staged.output_delta + shift).index_select(0, staged.logits_row)
         output_positions.index_add_(0, staged.logits_index, delta)
+
+    @staticmethod
+    def sample_shifts(staged: StagedRows, shift: torch.Tensor, num_sampled: int) -> torch.Tensor:
+        """[sampled rows] on the device: how far each sampled row was moved back (0 but behind a
+        verify step), to come back with the step's ids."""
+        shifts = torch.zeros(num_sampled, dtype=torch.int64, device=shift.device)
+        return shifts.index_copy_(0, staged.sample_index_device, shift)

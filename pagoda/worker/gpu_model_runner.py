@@ -1232,10 +1232,8 @@ class GPUModelRunner:
         if inputs.behind is not None:
             # Where the scheduler laid the rows out, and how far the device moved them back.
             assert inputs.behind_shift is not None
-            behind_index = np.searchsorted(sample_rows, inputs.behind.rows)
-            positions[behind_index] = batch.num_computed_tokens[inputs.behind.rows] + 1
-            position_shifts = torch.zeros(len(sample_rows), dtype=torch.int64, device=self.device)
-            position_shifts[torch.from_numpy(behind_index).to(self.device)] = inputs.behind_shift
+            positions[inputs.behind.sample_index] = batch.num_computed_tokens[inputs.behind.rows] + 1
+            position_shifts = BehindVerify.sample_shifts(inputs.behind, inputs.behind_shift, len(sample_rows))
         plain_rows = sample_rows[inputs.num_drafts == 0]
         batch.append_sampled_tokens(plain_rows, PLACEHOLDER_TOKEN_ID)
         for row in plain_rows.tolist():
