@@ -23,12 +23,20 @@ verified in the same step. Their KV slots are reserved and counted in the token
 budget, and `num_computed_tokens` advances over them; when the output shows how many were
 accepted, the rejected ones are taken back (their KV is never registered in the prefix
 cache: only blocks below the corrected count are). Drafts never take a request past
-max_tokens or max_model_len. A request whose verify step is in flight is not scheduled again
-until its accepted count is back (where its next token goes depends on it), so under async
-scheduling a speculating request's steps do not overlap each other. With a draft model a
-request whose sampling step is in flight waits too (its drafts come back with that step), and
-a step that samples gets k lookahead slots past its tokens for the drafts' own KV (see
-pagoda/spec_decode/draft_model.py).
+max_tokens or max_model_len. Under async scheduling an n-gram request whose verify step is in
+flight is scheduled again at once, so its steps overlap: the token that step emits last and
+new drafts, laid out as if it accepted every draft, with slots (and budget) for that worst
+case, and listed in `behind_verify`. Where those tokens really go depends on the accepted
+count, which only the device knows yet: the runner moves them back by the rejected count there
+(pagoda/worker/behind_verify.py), and `num_computed_tokens` is corrected one step late, when
+that step's output comes. Its drafts are proposed past the step in flight (see `_propose`). A
+request waits for its verify step instead when its sampling reads its output so far on the
+host (a grammar, penalties, bad words, min_tokens not reached: `samples_without_history`)
+or when no draft fits behind it; every request does under pipeline parallelism, with a KV
+connector and where a group is not full attention (see `overlaps_verify`). With a draft
+model a request whose sampling step is in flight waits too (its drafts come back with that
+step), and a step that samples gets k lookahead slots past its tokens for the drafts' own KV
+(see pagoda/spec_decode/draft_model.py).
 
 Pooling requests (embeddings) are scheduled like prefills within the token budget and finish
 with their vector in the step that completes their prompt. With `whole_prompt_pooling` (mean
@@ -48,7 +56,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pagoda.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from pagoda.kv_cache_interface import KVCacheConfig
+from pagoda.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from pagoda.kv_transfer.factory import make_scheduler_connector
 from pagoda.multimodal.scheduling import EncoderScheduler
 from pagoda.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput, RequestStatus, SchedulerStats
@@ -119,13 +127,16 @@ class Scheduler:
             self.spec_stats = SpecDecodingStats()
             self.drafts_from_runner = speculative_config.method != "ngram"
         # n-gram speculation schedules a request's next step behind its verify step in flight
-        # (see `_schedule_behind_verify`); not under pipeline parallelism, nor with hybrid
-        # models' state checkpoints (a state cannot take back what its rejected drafts wrote).
+        # (see `_schedule_behind_verify`), whose counts run ahead of what is computed until its
+        # output comes: so only where every group is full attention (a sliding window or a
+        # state frees by that count) and no KV connector moves blocks by it, and not under
+        # pipeline parallelism.
         self.overlaps_verify = (
             speculative_config is not None
             and not self.drafts_from_runner
             and not pipeline_parallel
-            and not self.kv_cache_manager.has_checkpoints
+            and self.remote_kv is None
+            and all(isinstance(group.kv_cache_spec, FullAttentionSpec) for group in kv_cache_config.kv_cache_groups)
         )
         if speculative_config is not None and not self.drafts_from_runner:
             self.proposer = NgramProposer(
