@@ -18,6 +18,7 @@ from model_utils import save_tiny_checkpoint
 from spec_decode_utils import NEW_TOKENS, check_aborts_in_flight, outcome, prompts, reference, run
 
 from pagoda import LLM, SamplingParams
+from pagoda.config import SpeculativeConfig
 from pagoda.model.loader import load_tokenizer
 from pagoda.scheduler.output import SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler
@@ -119,6 +120,32 @@ def test_steps_behind_verify_steps_give_the_tokens_of_speculation_off(qwen3, var
     assert counts["behind"] > 0 and stats.spec_decoding.num_accepted_tokens > 0
     if variant == "tiny-kv-pool-preempts":
         assert stats.num_preemptions > 0
+
+
+def test_steps_behind_verify_steps_that_reject_every_draft_give_the_tokens_of_speculation_off(
+    qwen3, monkeypatch
+) -> None:
+    """Forced acceptance 0 (a benchmark setting) fills every step with k drafts and rejects them
+    all, so every decode step runs behind its verify step moved back by k, the most: each emits
+    only the model's own token, the token of speculation off."""
+    batch = prompts(5, count=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0.8, seed=9, max_tokens=18, ignore_eos=True, logprobs=1)
+    ] * 3
+
+    def generate(speculative: SpeculativeConfig | None) -> tuple[list, LLM]:
+        llm = LLM(model=qwen3, **ASYNC_CPU, speculative_config=speculative)
+        outputs = llm.generate(batch * 2, params, use_tqdm=False)
+        llm.llm_engine.check_idle()
+        return outcome(outputs), llm
+
+    expected, plain = generate(None)
+    plain.shutdown()
+    counts = count_steps_behind_verify(monkeypatch)
+    results, llm = generate(SpeculativeConfig("ngram", 3, forced_acceptance=0.0))
+    assert results == expected
+    stats = llm.llm_engine.engine_core.scheduler.make_stats().spec_decoding
+    assert stats.num_accepted_tokens == 0 and counts["behind"] >= stats.num_verify_steps // 2
 
 
 def test_aborts_with_steps_in_flight_leave_the_others_unchanged(qwen3, target) -> None:
