@@ -210,3 +210,26 @@ def test_no_step_runs_behind_a_verify_step_whose_sampling_reads_the_history() ->
     scheduler.update_from_output(so := scheduler.schedule(), output(so, {"a": [3]}))
     assert scheduler.schedule().scheduled_spec_decode_tokens == {"a": [4, 1, 2]}
     assert scheduler.schedule().num_scheduled_tokens == {}  # penalties count the tokens in flight
+
+
+def test_a_step_behind_a_corrected_step_caches_only_the_kv_of_its_history() -> None:
+    """Two steps in a row run behind verify steps that rejected drafts: the second's KV is cached
+    up to the history it completes, not up to the count it was laid out at (two too high)."""
+    scheduler = make_scheduler()
+    request = add(scheduler, "a", prompt=[7, 8, 4, 9, 5, 6, 1, 2, 3, 4, 1, 2])
+    scheduler.update_from_output(so := scheduler.schedule(), output(so, {"a": [3]}))  # 13 tokens
+    verify = scheduler.schedule()
+    first_behind = scheduler.schedule()
+    assert verify.scheduled_spec_decode_tokens == first_behind.scheduled_spec_decode_tokens == {"a": [4, 1, 2]}
+    scheduler.update_from_output(verify, output(verify, {"a": [4, 9]}))  # one accepted: 15 tokens
+    second_behind = scheduler.schedule()  # guessed to accept nothing: ... 4, 9 drafts 5, 6, 1, 2 less 5
+    assert second_behind.behind_verify == {"a"} and second_behind.scheduled_spec_decode_tokens == {"a": [6, 1, 2]}
+    scheduler.update_from_output(first_behind, output(first_behind, {"a": [1]}))  # none accepted
+    assert request.num_tokens == 16 and request.num_computed_tokens == 15 + 1 + K
+    # Tokens 0..14 have their KV: 3 blocks of 4 (laid out at 16, the step would count 17: 4).
+    assert scheduler.kv_cache_manager.managers[0].num_cached_blocks["a"] == 3
+    scheduler.update_from_output(second_behind, output(second_behind, {"a": [6, 1, 5]}))
+    assert request.output_token_ids == [3, 4, 9, 1, 6, 1, 5] and request.num_computed_tokens == request.num_tokens - 1
+    scheduler.finish_requests("a", request.status.FINISHED_ABORTED)
+    scheduler.schedule()
+    scheduler.check_idle()
