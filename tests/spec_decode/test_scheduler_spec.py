@@ -213,8 +213,8 @@ def test_no_step_runs_behind_a_verify_step_whose_sampling_reads_the_history() ->
 
 
 def test_a_step_behind_a_corrected_step_caches_only_the_kv_of_its_history() -> None:
-    """Two steps in a row run behind verify steps that rejected drafts: the second's KV is cached
-    up to the history it completes, not up to the count it was laid out at (two too high)."""
+    """Two steps in a row run behind verify steps that rejected drafts, each corrected one step
+    late: the counts end where the history does and only its KV is cached."""
     scheduler = make_scheduler()
     request = add(scheduler, "a", prompt=[7, 8, 4, 9, 5, 6, 1, 2, 3, 4, 1, 2])
     scheduler.update_from_output(so := scheduler.schedule(), output(so, {"a": [3]}))  # 13 tokens
@@ -226,7 +226,7 @@ def test_a_step_behind_a_corrected_step_caches_only_the_kv_of_its_history() -> N
     assert second_behind.behind_verify == {"a"} and second_behind.scheduled_spec_decode_tokens == {"a": [6, 1, 2]}
     scheduler.update_from_output(first_behind, output(first_behind, {"a": [1]}))  # none accepted
     assert request.num_tokens == 16 and request.num_computed_tokens == 15 + 1 + K
-    # Tokens 0..14 have their KV: 3 blocks of 4 (laid out at 16, the step would count 17: 4).
+    # Tokens 0..14 have their KV: 3 blocks of 4.
     assert scheduler.kv_cache_manager.managers[0].num_cached_blocks["a"] == 3
     scheduler.update_from_output(second_behind, output(second_behind, {"a": [6, 1, 5]}))
     assert request.output_token_ids == [3, 4, 9, 1, 6, 1, 5] and request.num_computed_tokens == request.num_tokens - 1
