@@ -65,6 +65,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # req_id -> draft tokens to verify (empty until speculative decoding lands).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Requests scheduled while their verify step is in flight: their tokens are laid out as if it
+    # accepted every draft, and the runner moves them back by its rejected count on the device.
+    behind_verify: set[str] = field(default_factory=set)
     # Requests that ended since the last step (finished, aborted, stopped): drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
     # Block ids that went back to the pool since the last step (for the KV block zeroer).

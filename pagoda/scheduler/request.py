@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -72,8 +73,14 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0
-        # Draft tokens of a verify step whose output has not come back (speculative decoding).
-        self.num_inflight_drafts = 0
+        # Speculative decoding: the drafts of each verify step whose output has not come back,
+        # oldest first (two at most: a step is scheduled behind its verify step in flight).
+        self.inflight_drafts: deque[list[int]] = deque()
+        # Whether the newest in-flight verify step's drafts were proposed from the history it
+        # extends (False: from a guess of its predecessor's accepted count that proved wrong),
+        # and the accepted count of the oldest that its successor's drafts were proposed for.
+        self.inflight_drafts_follow = True
+        self.assumed_accepted = 0
         # Drafts a draft model proposed after its last step's tokens, for its next step to verify.
         self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
@@ -102,6 +109,26 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_inflight_drafts(self) -> int:
+        """Drafts of the newest verify step in flight (0: none in flight)."""
+        return len(self.inflight_drafts[-1]) if self.inflight_drafts else 0
+
+    @property
+    def samples_without_history(self) -> bool:
+        """Whether its sampling reads nothing of its output so far on the host (no grammar,
+        penalties, bad words or min_tokens still hiding stops, no images' rotary positions), so
+        a step may run behind its verify step in flight, placed by the runner on the device."""
+        params = self.sampling_params
+        return (
+            self.pooling_params is None
+            and not self.mm_features
+            and params.structured_outputs is None
+            and not params.uses_penalties
+            and not params.bad_words_token_ids
+            and self.num_output_tokens >= params.min_tokens
+        )
 
     @property
     def num_output_tokens(self) -> int:

@@ -23,12 +23,20 @@ verified in the same step. Their KV slots are reserved and counted in the token
 budget, and `num_computed_tokens` advances over them; when the output shows how many were
 accepted, the rejected ones are taken back (their KV is never registered in the prefix
 cache: only blocks below the corrected count are). Drafts never take a request past
-max_tokens or max_model_len. A request whose verify step is in flight is not scheduled again
-until its accepted count is back (where its next token goes depends on it), so under async
-scheduling a speculating request's steps do not overlap each other. With a draft model a
-request whose sampling step is in flight waits too (its drafts come back with that step), and
-a step that samples gets k lookahead slots past its tokens for the drafts' own KV (see
-pagoda/spec_decode/draft_model.py).
+max_tokens or max_model_len. Under async scheduling an n-gram request whose verify step is in
+flight is scheduled again at once, so its steps overlap: the token that step emits last and
+new drafts, laid out as if it accepted every draft, with slots (and budget) for that worst
+case, and listed in `behind_verify`. Where those tokens really go depends on the accepted
+count, which only the device knows yet: the runner moves them back by the rejected count there
+(pagoda/worker/behind_verify.py), and `num_computed_tokens` is corrected one step late, when
+that step's output comes. Its drafts are proposed past the step in flight (see `_propose`). A
+request waits for its verify step instead when its sampling reads its output so far on the
+host (a grammar, penalties, bad words, min_tokens not reached: `samples_without_history`)
+or when no draft fits behind it; every request does under pipeline parallelism, with a KV
+connector and where a group is not full attention (see `overlaps_verify`). With a draft
+model a request whose sampling step is in flight waits too (its drafts come back with that
+step), and a step that samples gets k lookahead slots past its tokens for the drafts' own KV
+(see pagoda/spec_decode/draft_model.py).
 
 Pooling requests (embeddings) are scheduled like prefills within the token budget and finish
 with their vector in the step that completes their prompt. With `whole_prompt_pooling` (mean
@@ -51,7 +59,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pagoda.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from pagoda.kv_cache_interface import KVCacheConfig
+from pagoda.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from pagoda.kv_transfer.factory import make_scheduler_connector
 from pagoda.multimodal.scheduling import EncoderScheduler
 from pagoda.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput, RequestStatus, SchedulerStats
@@ -122,6 +130,18 @@ class Scheduler:
             self.num_speculative_tokens = speculative_config.num_speculative_tokens
             self.spec_stats = SpecDecodingStats()
             self.drafts_from_runner = speculative_config.method != "ngram"
+        # n-gram speculation schedules a request's next step behind its verify step in flight
+        # (see `_schedule_behind_verify`), whose counts run ahead of what is computed until its
+        # output comes: so only where every group is full attention (a sliding window or a
+        # state frees by that count) and no KV connector moves blocks by it, and not under
+        # pipeline parallelism.
+        self.overlaps_verify = (
+            speculative_config is not None
+            and not self.drafts_from_runner
+            and not pipeline_parallel
+            and self.remote_kv is None
+            and all(isinstance(group.kv_cache_spec, FullAttentionSpec) for group in kv_cache_config.kv_cache_groups)
+        )
         if speculative_config is not None and not self.drafts_from_runner:
             self.proposer = NgramProposer(
                 self.max_num_seqs,
@@ -223,6 +243,7 @@ class Scheduler:
         encoder_inputs: dict[str, list[int]] = {}
 
         spec_tokens: dict[str, list[int]] = {}
+        behind_verify: set[str] = set()
         proposals = self._propose() if self.num_speculative_tokens else {}
         if self.remote_kv is not None:
             self.waiting.extendleft(reversed(self.remote_kv.expire()))
@@ -242,8 +263,22 @@ class Scheduler:
         while index < len(running) and budget > 0:
             request = running[index]
             index += 1
-            if request.num_inflight_drafts or (drafts_from_runner and request.num_pending_tokens):
-                continue  # where its next token goes (or its drafts) depends on its output: wait for it
+            if request.num_inflight_drafts:
+                chained = self._schedule_behind_verify(request, proposals.get(request.request_id), budget)
+                if chained is not None:
+                    drafts, new_block_ids = chained
+                    req_id = request.request_id
+                    spec_tokens[req_id] = drafts
+                    behind_verify.add(req_id)
+                    running_ids.append(req_id)
+                    running_block_ids.append(new_block_ids if any(new_block_ids) else None)
+                    running_computed.append(request.num_computed_tokens)
+                    num_scheduled[req_id] = 1 + len(drafts)
+                    scheduled.append((request, 1 + len(drafts)))
+                    budget -= 1 + len(drafts)
+                continue
+            if drafts_from_runner and request.num_pending_tokens:
+                continue  # its drafts come back with its output: wait for it
             num_computed = request.num_computed_tokens
             num_new = min(self._num_tokens_to_compute(request), budget)
             if checkpoints:
@@ -276,7 +311,8 @@ class Scheduler:
                 break
             if drafts:
                 spec_tokens[req_id] = drafts
-                request.num_inflight_drafts = len(drafts)
+                request.inflight_drafts.append(drafts)
+                request.inflight_drafts_follow = True
                 num_new += len(drafts)
             running_ids.append(req_id)
             running_block_ids.append(new_block_ids if any(new_block_ids) else None)
@@ -411,6 +447,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             scheduled_spec_decode_tokens=spec_tokens,
+            behind_verify=behind_verify,
             finished_req_ids=finished_req_ids,
             freed_block_ids=kv.take_freed_block_ids(),
             preempted_req_ids=preempted_req_ids,
@@ -449,8 +486,13 @@ class Scheduler:
             num_rejected = self._take_back_rejected(request, scheduler_output, sampled) if verified else 0
             if caching:
                 # Capped by the current count: a request preempted and resumed since then holds
-                # fresh blocks, of which only those already scheduled may be cached.
-                num_valid = computed_before[req_id] + num_scheduled - num_rejected
+                # fresh blocks, of which only those already scheduled may be cached. A step run
+                # behind a verify step began where that step's accepted count put it: every
+                # token but the last of the history it completes has its KV.
+                if req_id in scheduler_output.behind_verify:
+                    num_valid = request.num_tokens + len(sampled) - 1
+                else:
+                    num_valid = computed_before[req_id] + num_scheduled - num_rejected
                 kv.cache_blocks(request, min(num_valid, request.num_computed_tokens))
             pooled = pooler_output.get(req_id) if pooler_output else None
             if pooled is not None:
@@ -575,23 +617,35 @@ class Scheduler:
 
         A request with a plain step in flight is proposed for from its known history (one token
         stale): k + 1 tokens are drafted and the first, the guess of the token in flight, dropped.
+        One with a verify step in flight (see `_schedule_behind_verify`) likewise, past the
+        accepted count guessed for that step: all its drafts where they were proposed from the
+        history they extend, none where they came from a guess that proved wrong (then that
+        step most likely accepts nothing). A wrong guess costs acceptance, never correctness:
+        verification keeps only the model's own samples, wherever the drafts came from.
         """
         proposer = self.proposer
-        candidates = [
-            request
-            for request in self.running
-            if not request.num_inflight_drafts
-            and request.num_pending_tokens <= 1
-            and self._num_tokens_to_compute(request) == 1
-        ]
+        candidates = []
+        unverified: list[list[int]] = []
+        for request in self.running:
+            if request.num_inflight_drafts:
+                if not self._may_run_behind_verify(request):
+                    continue
+                guess = request.inflight_drafts[-1] if request.inflight_drafts_follow else []
+                request.assumed_accepted = len(guess)
+                unverified.append(guess)
+            elif request.num_pending_tokens <= 1 and self._num_tokens_to_compute(request) == 1:
+                unverified.append([])
+            else:
+                continue
+            candidates.append(request)
         if self.drafts_from_runner:
             return {r.request_id: r.spec_token_ids for r in candidates if r.spec_token_ids and not r.num_pending_tokens}
         if not candidates:
             return {}
+        assert proposer is not None
         slots = [proposer.sync(request.request_id, request.all_token_ids) for request in candidates]
         k = self.num_speculative_tokens
-        assert proposer is not None
-        drafts, counts = proposer.propose(slots, k + 1)
+        drafts, counts = proposer.propose(slots, k + 1, unverified)
         proposals = {}
         for row, request in enumerate(candidates):
             skip = request.num_pending_tokens
@@ -599,10 +653,47 @@ class Scheduler:
                 proposals[request.request_id] = drafts[row, skip : min(counts[row], skip + k)].tolist()
         return proposals
 
-    def _capped_drafts(self, request: Request, drafts: list[int], budget: int) -> list[int]:
+    def _may_run_behind_verify(self, request: Request) -> bool:
+        """Whether the request's next step may be scheduled while its verify step is in flight."""
+        return (
+            self.overlaps_verify
+            and len(request.inflight_drafts) == 1
+            and request.num_pending_tokens == 1
+            and request.samples_without_history
+        )
+
+    def _schedule_behind_verify(
+        self, request: Request, proposal: list[int] | None, budget: int
+    ) -> tuple[list[int], BlockIds] | None:
+        """Schedule a request whose verify step is in flight, so its steps overlap: the token that
+        step emits last and new drafts after it, as (drafts, new block ids); None: it waits.
+
+        The host does not know how many drafts the step in flight accepts, so the step is laid
+        out as if it accepted all (`num_computed_tokens` already counts them) with slots for
+        that worst case; the runner moves its tokens back by the rejected count on the device,
+        from that step's output (see `GPUModelRunner`), and the host takes them back one step
+        late, when that output comes (`_take_back_rejected`). A step with no drafts to verify
+        gains nothing over waiting, and one that does not fit waits too (it never preempts).
+        """
+        if not proposal or not self._may_run_behind_verify(request):
+            return None
+        drafts = self._capped_drafts(request, proposal, budget - 1, request.num_inflight_drafts + 1)
+        if not drafts:
+            return None
+        new_block_ids = self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))
+        if new_block_ids is None:
+            return None
+        request.inflight_drafts.append(drafts)
+        return drafts, new_block_ids
+
+    def _capped_drafts(
+        self, request: Request, drafts: list[int], budget: int, in_flight: int | None = None
+    ) -> list[int]:
         """The drafts that fit the token budget left and keep every token the step may emit (the
-        drafts and one more) within max_tokens and max_model_len."""
-        in_flight = request.num_pending_tokens
+        drafts and one more) within max_tokens and max_model_len, past the `in_flight` tokens
+        (at most) still to come from the steps in flight (default: one per pending sample)."""
+        if in_flight is None:
+            in_flight = request.num_pending_tokens
         room = self.max_model_len - request.num_tokens - in_flight - 1
         if request.max_tokens is not None:
             room = min(room, request.max_tokens - request.num_output_tokens - in_flight - 1)
@@ -620,10 +711,14 @@ class Scheduler:
         are rewritten by the next tokens); the number rejected."""
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         num_drafts = len(spec_tokens.get(request.request_id, ())) if spec_tokens else 0
-        if not num_drafts or not sampled:
+        if not num_drafts:
             return 0
-        request.num_inflight_drafts = 0
+        request.inflight_drafts.popleft()
+        if not sampled:
+            return 0
         num_rejected = num_drafts + 1 - len(sampled)
+        if request.inflight_drafts:  # its successor's drafts assumed an accepted count for it
+            request.inflight_drafts_follow = request.assumed_accepted == num_drafts - num_rejected
         assert self.spec_stats is not None
         self.spec_stats.observe(num_drafts, num_drafts - num_rejected)
         if request.status == RequestStatus.RUNNING:  # a preempted one restarts from 0 anyway

@@ -295,9 +295,7 @@ class DraftModelProposer:
                 held = self.held_slots[gid] = runner.buffer(runner.max_num_reqs, torch.int64)
             held.np[:padded] = 0
             held.np[:num_rows] = table.num_blocks_per_row[rows].astype(np.int64) * block_size
-            columns = (positions // block_size).clamp_(max=table.max_num_blocks_per_req - 1)
-            group_slots = table.block_table[padded_rows[None, :], columns].to(torch.int64) * block_size
-            group_slots += positions % block_size
+            group_slots = table.device_slots(padded_rows[None, :], positions, block_size)
             keep = inside & (positions < held.copy_to_gpu(padded)[None, :])
             slots[gid] = torch.where(keep, group_slots, -1)
             self.block_tables[gid][:num_rows] = table.block_table.index_select(0, rows_device)

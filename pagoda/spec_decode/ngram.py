@@ -6,8 +6,9 @@ not know yet: it is proposed for from that one-step-stale history, drafting k + 
 dropping the first (the guess of the token in flight), so a draft run is wasted whenever that
 guess is wrong. Matching on the device instead would need the device to hold every request's
 history; the stale proposal costs acceptance only on steps after a miss (measured in
-tests/spec_decode/test_ngram_async_cost.py). A verify step in flight is never proposed past:
-the scheduler waits for its accepted count (see `Scheduler`).
+tests/spec_decode/test_ngram_async_cost.py). A request whose verify step is in flight is
+proposed for past that step's drafts, guessed all accepted (or none, after a guess proved
+wrong): see `Scheduler._propose`.
 
 Matching is vectorized over the batch with NumPy, in one pass over the history for every n at
 once: after step i, `run[r, p]` says whether the i + 1 tokens ending at p equal row r's last
@@ -106,10 +107,19 @@ class NgramProposer:
         if slot is not None:
             self._free.append(slot)
 
-    def propose(self, slots: list[int], num_drafts: int) -> tuple[np.ndarray, np.ndarray]:
-        """`propose_ngram` over the given slots' histories (filled to `num_drafts` if `fill_drafts`)."""
+    def propose(
+        self, slots: list[int], num_drafts: int, unverified: list[list[int]] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`propose_ngram` over the given slots' histories (filled to `num_drafts` if `fill_drafts`),
+        each extended by its `unverified` tokens (a verify step's drafts guessed accepted): they
+        are written past the slot's length, where `sync` writes the real tokens over them."""
         index = np.asarray(slots, dtype=np.int64)
-        lengths = self._lengths[index]
+        lengths = self._lengths[index].copy()
+        for row, tokens in enumerate(unverified or ()):
+            if tokens:
+                slot, length = index[row], lengths[row]
+                self._tokens[slot, length : length + len(tokens)] = tokens
+                lengths[row] += len(tokens)
         drafts, counts = propose_ngram(self._tokens[index], lengths, self.min_n, self.max_n, num_drafts)
         if self.fill_drafts:
             last = self._tokens[index, lengths - 1].astype(np.int64)

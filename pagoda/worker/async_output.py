@@ -36,10 +36,13 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         copy_stream: torch.cuda.Stream | None,
         on_ready: Callable[[AsyncGPUModelRunnerOutput, np.ndarray], None],
         draft_token_ids: torch.Tensor | None = None,
+        position_shifts: torch.Tensor | None = None,
     ) -> None:
         self.req_ids = req_ids
         self.sample_rows = sample_rows
-        # Token position each sampled row's first new token lands at.
+        # Token position each sampled row's first new token lands at: for a row behind its verify
+        # step, where the scheduler laid it out until `position_shifts` (on the device, [rows],
+        # <= 0: where it was moved, see pagoda/worker/behind_verify.py) come back with the ids.
         self.positions = positions
         # Per sampled row: the drafts it verified, and its first row among the step's logprobs.
         self.num_drafts = num_drafts
@@ -60,6 +63,9 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         self._has_drafts = draft_token_ids is not None
         if draft_token_ids is not None:
             tensors.append(draft_token_ids)
+        self._has_shifts = position_shifts is not None
+        if position_shifts is not None:
+            tensors.append(position_shifts)
         if copy_stream is None:
             self._host = [t.cpu() for t in tensors]
             return
@@ -90,6 +96,8 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
     def get_output(self) -> ModelRunnerOutput:
         if self._output is None:
             output = self.host_output()
+            if self._has_shifts:
+                self.positions = self.positions + self._host[-1].numpy()
             self._on_ready(self, self._host[0].numpy())
             self._output = output
             self.sampled_token_ids = None
@@ -117,11 +125,11 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             sampled_token_ids = [[] for _ in self.req_ids]
             for row, tokens in zip(sample_rows, new_tokens, strict=True):
                 sampled_token_ids[row] = tokens
-        host = self._host[:-1] if self._has_drafts else self._host
+        host = self._host[: len(self._host) - self._has_drafts - self._has_shifts]
         draft_token_ids = None
         if self._has_drafts:
             draft_token_ids = [[] for _ in self.req_ids]
-            for row, drafts in zip(self.sample_rows.tolist(), self._host[-1].numpy(), strict=True):
+            for row, drafts in zip(self.sample_rows.tolist(), self._host[len(host)].numpy(), strict=True):
                 draft_token_ids[row] = drafts[drafts >= 0].tolist()
         logprobs = logprobs_start = None
         if len(host) > 1:

@@ -66,6 +66,13 @@ class BlockTable:
     def row(self, row: int) -> list[int]:
         return self.block_table_np[row, : self.num_blocks_per_row[row]].tolist()
 
+    def device_slots(self, rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        """int64 KV slots of `positions` in batch rows `rows` (device tensors, broadcast against
+        each other), read from the device table (committed): for positions only the device
+        knows. A position past the table's last column reads that column: callers mask it."""
+        columns = (positions // block_size).clamp_(max=self.max_num_blocks_per_req - 1)
+        return self.block_table[rows, columns].to(torch.int64) * block_size + positions % block_size
+
     def commit(self, num_reqs: int) -> torch.Tensor:
         """Send the changed rows to the device; returns the [num_reqs, max_blocks] device view."""
         rows = [r for r in self._dirty_rows if r < num_reqs]

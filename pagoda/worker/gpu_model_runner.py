@@ -51,6 +51,7 @@ from pagoda.spec_decode.proposer import make_drafter
 from pagoda.spec_decode.verification import verify_drafts
 from pagoda.structured_output.spec import GrammarSpec
 from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
+from pagoda.worker.behind_verify import BehindVerify, StagedRows, staged_sizes
 from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer, PackedStaging
 from pagoda.worker.cuda_graph import BatchDescriptor, CudaGraphManager, CUDAGraphMode, default_capture_sizes
 from pagoda.worker.input_batch import CachedRequestState, InputBatch
@@ -122,6 +123,10 @@ class PreparedInputs:
     logits_start_device: torch.Tensor | None = None
     # The attention cascades over shared prefixes (a decode graph replays its cascade variant).
     cascade: bool = False
+    # Rows scheduled behind their verify step in flight and, on the device, how far they were
+    # moved back ([rows], minus that step's rejected count): see `BehindVerify`.
+    behind: StagedRows | None = None
+    behind_shift: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,8 @@ class GPUModelRunner:
         # A step's small inputs, sent in one copy (see `PackedStaging`); made with the KV-cache
         # groups, which have a slot mapping each: `_init_step_staging`.
         self.staging: PackedStaging | None = None
+        # Places n-gram verify steps scheduled behind their predecessor in flight (made with the staging).
+        self.behind_verify: BehindVerify | None = None
         self.input_ids: CpuGpuBuffer
         self.positions: CpuGpuBuffer
         self.slot_mappings: list[CpuGpuBuffer] = []  # one per KV-cache group
@@ -390,7 +397,13 @@ class GPUModelRunner:
         sizes["positions"] = (max_tokens, torch.int64)
         sizes["logits_indices"] = (max(max_tokens, max_reqs), torch.int64)
         sizes.update({f"slot_mapping{gid}": (max_tokens, torch.int64) for gid in range(len(cascades))})
+        speculative = self.config.speculative_config
+        overlaps_verify = speculative is not None and self.drafter is None
+        if overlaps_verify:
+            sizes.update(staged_sizes(max_reqs, max_tokens))
         staging = self.staging = PackedStaging(sizes, self.device, self.pin_memory)
+        host_plans = self.attn_backend.cudagraph_support < CUDAGraphSupport.ALWAYS
+        self.behind_verify = BehindVerify(staging, host_plans) if overlaps_verify else None
         self.query_start_loc, self.seq_lens = staging["query_start_loc"], staging["seq_lens"]
         self.sample_rows = staging["sample_rows"]
         self.prev_sampled_dst, self.prev_sampled_src = staging["prev_sampled_dst"], staging["prev_sampled_src"]
@@ -839,7 +852,8 @@ class GPUModelRunner:
         group_metadata = self._build_attention_metadata(
             num_input_tokens, num_rows, num_scheduled, cu_num_tokens, seq_lens, cascade
         )
-        prev_sampled = self._stage_prev_sampled(num_computed, num_scheduled, cu_num_tokens - num_scheduled)
+        behind_ids = scheduler_output.behind_verify
+        prev_sampled = self._stage_prev_sampled(num_computed, num_scheduled, cu_num_tokens - num_scheduled, behind_ids)
         input_ids = stage(self.input_ids, num_input_tokens)
         positions_device = stage(self.positions, num_input_tokens)
         logits_indices = stage(self.logits_indices, num_sampled)
@@ -847,8 +861,37 @@ class GPUModelRunner:
         if 0 < len(sample_rows) < num_reqs:
             self.sample_rows.np[: len(sample_rows)] = sample_rows
             rows_device = stage(self.sample_rows, len(sample_rows))
+        behind = None
+        if behind_ids:
+            assert self.behind_verify is not None
+            # The scheduler laid the step out from its count: its first sample at num_computed + 1.
+            output_delta = num_computed + 1 - batch.num_tokens[:num_reqs]
+            behind = self.behind_verify.stage(
+                batch.req_ids,
+                behind_ids,
+                num_scheduled,
+                cu_num_tokens - num_scheduled,
+                sample_rows,
+                logits_start,
+                output_delta,
+                self.input_ids.np,
+                batch.token_ids_cpu,
+                batch.num_tokens,
+            )
         self.staging.send()
 
+        behind_shift = None
+        if behind is not None:
+            assert self.behind_verify is not None
+            behind_shift = self.behind_verify.place(
+                behind,
+                self.input_ids.gpu,
+                self.positions.gpu,
+                self.seq_lens.gpu,
+                self.seq_lens.cpu,
+                [slot_mapping.gpu for slot_mapping in self.slot_mappings],
+                batch.block_table,
+            )
         forward_context = self._forward_context(group_metadata)
         if prev_sampled is not None:
             self._scatter_prev_sampled(input_ids, *prev_sampled)
@@ -857,6 +900,14 @@ class GPUModelRunner:
             draft_token_ids = self._send_drafts(sample_rows, num_drafts)
             self.logits_start.np[: len(sample_rows)] = logits_start
             logits_start_device = self.logits_start.copy_to_gpu(len(sample_rows))
+        sampling_metadata = (
+            self._sampling_metadata(sample_rows, rows_device, num_drafts, logits_start)
+            if self.is_last_stage and self.pooler is None
+            else None
+        )
+        if behind is not None and sampling_metadata is not None:
+            assert behind_shift is not None
+            BehindVerify.key_samples(behind, behind_shift, sampling_metadata.output_positions)
         return PreparedInputs(
             input_ids=input_ids,
             positions=positions_device,
@@ -866,22 +917,21 @@ class GPUModelRunner:
             sample_rows=sample_rows,
             num_drafts=num_drafts,
             logits_start=logits_start,
-            sampling_metadata=(
-                self._sampling_metadata(sample_rows, rows_device, num_drafts, logits_start)
-                if self.is_last_stage and self.pooler is None
-                else None
-            ),
+            sampling_metadata=sampling_metadata,
             draft_token_ids=draft_token_ids,
             logits_start_device=logits_start_device,
             cascade=any(m.cascade is not None for m in forward_context.attn_metadata.values()),
+            behind=behind,
+            behind_shift=behind_shift,
         )
 
     def _stage_prev_sampled(
-        self, num_computed: np.ndarray, num_scheduled: np.ndarray, first_token: np.ndarray
+        self, num_computed: np.ndarray, num_scheduled: np.ndarray, first_token: np.ndarray, behind: set[str]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Where the previous step's sampled ids, still unknown to the host, go in this step's
         input ids (the host wrote placeholders there): (the pending device ids, the staged
-        indices among them, the staged input positions), or None when none go."""
+        indices among them, the staged input positions), or None when none go. Rows behind
+        their verify step (`behind`) are placed by `BehindVerify` instead."""
         pending = self._pending_output
         if pending is None or pending.resolved:
             return None
@@ -890,9 +940,12 @@ class GPUModelRunner:
         indices = pending.sampled_index_of_rows(req_ids)
         rows = np.flatnonzero(indices >= 0)
         indices = indices[rows]
-        # A verify step's output is waited for before its request runs again (see Scheduler).
+        # A request runs again behind its verify step only as the scheduler says (see Scheduler).
         drafted = pending.num_drafts[indices] != 0
-        assert not drafted.any(), f"{req_ids[rows[np.argmax(drafted)]]!r} scheduled behind its verify step"
+        if drafted.any():
+            unplaced = [req_ids[row] for row in rows[drafted].tolist() if req_ids[row] not in behind]
+            assert not unplaced, f"{unplaced[0]!r} scheduled behind its verify step, not marked so"
+            rows, indices = rows[~drafted], indices[~drafted]
         offsets = pending.positions[indices].astype(np.int64) - num_computed[rows]
         in_step = (offsets >= 0) & (offsets < num_scheduled[rows])
         num = int(in_step.sum())
@@ -1198,6 +1251,8 @@ class GPUModelRunner:
         batch = self.input_batch
         req_ids = list(batch.req_ids)
         if sampler_output is None:
+            if self.behind_verify is not None:
+                self.behind_verify.record(None, None)
             return ModelRunnerOutput(
                 req_ids=req_ids,
                 req_id_to_index={req_id: row for row, req_id in enumerate(req_ids)},
@@ -1205,6 +1260,12 @@ class GPUModelRunner:
             )
         sample_rows = inputs.sample_rows
         positions = batch.num_tokens[sample_rows].copy()
+        position_shifts = None
+        if inputs.behind is not None:
+            # Where the scheduler laid the rows out, and how far the device moved them back.
+            assert inputs.behind_shift is not None
+            positions[inputs.behind.sample_index] = batch.num_computed_tokens[inputs.behind.rows] + 1
+            position_shifts = BehindVerify.sample_shifts(inputs.behind, inputs.behind_shift, len(sample_rows))
         plain_rows = sample_rows[inputs.num_drafts == 0]
         batch.append_sampled_tokens(plain_rows, PLACEHOLDER_TOKEN_ID)
         for row in plain_rows.tolist():
@@ -1230,8 +1291,11 @@ class GPUModelRunner:
             copy_stream=self._copy_stream,
             on_ready=self._record_sampled_tokens,
             draft_token_ids=draft_token_ids,
+            position_shifts=position_shifts,
         )
         self._pending_output = output
+        if self.behind_verify is not None:
+            self.behind_verify.record(output, sampler_output.token_ids)
         if self._grammar_req_ids:
             self._advance_grammars(output)
         return output
@@ -1281,14 +1345,21 @@ class GPUModelRunner:
         batch.token_ids_cpu[rows[placed], positions[placed]] = token_ids[placed]
 
     def _append_verified(self, state: CachedRequestState, index: int, position: int, token_ids: list[int]) -> None:
-        """A verify step's tokens join the request's history (and its batch row, if it has one)."""
+        """A verify step's tokens join the request's history (and its batch row, if it has one).
+        Drafts of the step being prepared, staged where the tokens land (a step behind this
+        one, resolved early), move behind them."""
         if index != len(state.output_token_ids):
             return  # preempted and resumed since: the scheduler sent the history it kept
         state.output_token_ids.extend(token_ids)
         batch = self.input_batch
         row = batch.get_req_index(state.req_id)
         if row is not None and batch.num_tokens[row] == position:
-            batch.token_ids_cpu[row, position : position + len(token_ids)] = token_ids
+            end = position + len(token_ids)
+            num_spec = int(batch.num_spec_tokens[row])
+            if num_spec:
+                drafts = batch.token_ids_cpu[row, position : position + num_spec].copy()
+                batch.token_ids_cpu[row, end : end + num_spec] = drafts
+            batch.token_ids_cpu[row, position:end] = token_ids
             batch.num_tokens[row] += len(token_ids)
 
     def _resolve_pending_output(self) -> None:
@@ -1356,9 +1427,9 @@ class GPUModelRunner:
             self._resolve_pending_output()
         # Padding is decided first, so the inputs are written straight at the graph's size.
         execution = self._determine_batch_execution_and_padding(scheduler_output)
-        inputs = self._prepare_inputs(
-            scheduler_output, execution.num_input_tokens, execution.num_rows, self._cascade_mode(execution)
-        )
+        # A step with rows behind a verify step has host lengths that are only upper bounds: no cascade.
+        cascade = CascadeMode.OFF if scheduler_output.behind_verify else self._cascade_mode(execution)
+        inputs = self._prepare_inputs(scheduler_output, execution.num_input_tokens, execution.num_rows, cascade)
         if self._inputs_sent is not None:
             self._inputs_sent.record()
         if self.encoder_runner is not None:

@@ -1,6 +1,6 @@
 """The scheduler's side of speculative decoding, with hand-made runner outputs: draft slots
-reserved and budgeted, rejected ones taken back and never cached, length caps, waiting for a
-verify step in flight."""
+reserved and budgeted, rejected ones taken back and never cached, length caps, steps scheduled
+behind a verify step in flight (and when they wait for it)."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_a_request_waits_for_its_verify_step_but_not_for_a_plain_one() -> None:
     # Proposed from the stale history (it ends at 2): drafts 3, 4, 1, 2 less the guess 3.
     assert second.scheduled_spec_decode_tokens == {"a": [4, 1, 2]}
     third = scheduler.schedule()
-    assert third.num_scheduled_tokens == {}  # its verify step decides where it goes on
+    assert third.num_scheduled_tokens == {}  # two steps in flight: it runs behind one at most
     scheduler.update_from_output(first, output(first, {"a": [3]}))
     scheduler.update_from_output(second, output(second, {"a": [4, 1, 2, 3]}))  # all accepted
     assert request.output_token_ids == [3, 4, 1, 2, 3]
@@ -141,3 +141,95 @@ def test_no_room_for_the_drafts_schedules_the_plain_step() -> None:
     assert so.scheduled_spec_decode_tokens == {} and so.num_scheduled_tokens == {"a": 1}
     scheduler.update_from_output(so, output(so, {"a": [4]}))
     assert request.is_finished
+
+
+def test_a_request_runs_behind_its_verify_step_in_flight_and_is_corrected_one_step_late() -> None:
+    """With a batch queue of depth 2 (async scheduling): while a verify step is in flight its
+    request's next step is scheduled as if every draft were accepted, the counts taken back
+    when the accepted count comes; only KV below the history it completes is cached."""
+    scheduler = make_scheduler()
+    request = add(scheduler, "a")
+    scheduler.update_from_output(so := scheduler.schedule(), output(so, {"a": [3]}))  # ... 1, 2, 3
+    verify = scheduler.schedule()
+    assert verify.scheduled_spec_decode_tokens == {"a": [4, 1, 2]} and not verify.behind_verify
+    assert request.num_computed_tokens == 7 + K
+
+    behind = scheduler.schedule()  # the verify step is in flight
+    # Proposed past its drafts, guessed accepted: ... 1, 2, 3, 4, 1, 2 drafts 3, 4, 1, 2 less the
+    # guess 3 (the token the verify step emits after them).
+    assert behind.behind_verify == {"a"} and behind.scheduled_spec_decode_tokens == {"a": [4, 1, 2]}
+    assert behind.num_scheduled_tokens == {"a": 1 + K}
+    assert behind.scheduled_cached_reqs.num_computed_tokens == [7 + K]  # laid out as if all were accepted
+    assert request.num_computed_tokens == 7 + K + 1 + K and num_blocks_held(scheduler, request) == 4
+
+    # The verify step accepted one draft (4) and emitted 9: two rejected, taken back now.
+    scheduler.update_from_output(verify, output(verify, {"a": [4, 9]}))
+    assert request.output_token_ids == [3, 4, 9] and request.num_computed_tokens == 7 + K + 1 + K - 2
+    # The step in flight was proposed for a history that did not come true: the next is proposed
+    # as if it accepts nothing (... 4, 9 and its token: no match), so nothing runs behind it.
+    assert not request.inflight_drafts_follow
+    assert scheduler.schedule().num_scheduled_tokens == {}
+
+    # The step behind it (9 at position 8, drafts 4, 1, 2) accepted none and emitted 1.
+    scheduler.update_from_output(behind, output(behind, {"a": [1]}))
+    assert request.output_token_ids == [3, 4, 9, 1]
+    assert request.num_computed_tokens == request.num_tokens - 1 == 9
+    assert scheduler.kv_cache_manager.managers[0].num_cached_blocks["a"] == 9 // BLOCK_SIZE
+    stats = scheduler.make_stats().spec_decoding
+    assert (stats.num_verify_steps, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 6, 1)
+    scheduler.finish_requests("a", request.status.FINISHED_ABORTED)
+    scheduler.schedule()
+    scheduler.check_idle()
+
+
+def test_a_step_behind_a_verify_step_keeps_its_worst_case_within_max_tokens() -> None:
+    # 1 output and up to 1 + 3 in flight: with max_tokens 7 one draft and its token fit behind.
+    scheduler = make_scheduler()
+    request = add(scheduler, "a", max_tokens=7)
+    scheduler.update_from_output(so := scheduler.schedule(), output(so, {"a": [3]}))
+    verify = scheduler.schedule()
+    behind = scheduler.schedule()
+    assert behind.scheduled_spec_decode_tokens == {"a": [4]} and behind.behind_verify == {"a"}
+    scheduler.update_from_output(verify, output(verify, {"a": [4, 1, 2, 3]}))  # all accepted
+    assert request.inflight_drafts_follow
+    assert scheduler.schedule().num_scheduled_tokens == {}  # 5 outputs, up to 2 in flight: capped
+    scheduler.update_from_output(behind, output(behind, {"a": [4, 1]}))
+    assert request.is_finished and request.num_output_tokens == 7
+
+    tight = make_scheduler()
+    add(tight, "b", max_tokens=6)  # no room for a draft behind the verify step: it waits
+    tight.update_from_output(so := tight.schedule(), output(so, {"b": [3]}))
+    tight.schedule()
+    assert tight.schedule().num_scheduled_tokens == {}
+
+
+def test_no_step_runs_behind_a_verify_step_whose_sampling_reads_the_history() -> None:
+    scheduler = make_scheduler()
+    params = SamplingParams(max_tokens=32, ignore_eos=True, repetition_penalty=1.1)
+    scheduler.add_request(Request("a", PROMPT, params, eos_token_ids=set()))
+    scheduler.update_from_output(so := scheduler.schedule(), output(so, {"a": [3]}))
+    assert scheduler.schedule().scheduled_spec_decode_tokens == {"a": [4, 1, 2]}
+    assert scheduler.schedule().num_scheduled_tokens == {}  # penalties count the tokens in flight
+
+
+def test_a_step_behind_a_corrected_step_caches_only_the_kv_of_its_history() -> None:
+    """Two steps in a row run behind verify steps that rejected drafts, each corrected one step
+    late: the counts end where the history does and only its KV is cached."""
+    scheduler = make_scheduler()
+    request = add(scheduler, "a", prompt=[7, 8, 4, 9, 5, 6, 1, 2, 3, 4, 1, 2])
+    scheduler.update_from_output(so := scheduler.schedule(), output(so, {"a": [3]}))  # 13 tokens
+    verify = scheduler.schedule()
+    first_behind = scheduler.schedule()
+    assert verify.scheduled_spec_decode_tokens == first_behind.scheduled_spec_decode_tokens == {"a": [4, 1, 2]}
+    scheduler.update_from_output(verify, output(verify, {"a": [4, 9]}))  # one accepted: 15 tokens
+    second_behind = scheduler.schedule()  # guessed to accept nothing: ... 4, 9 drafts 5, 6, 1, 2 less 5
+    assert second_behind.behind_verify == {"a"} and second_behind.scheduled_spec_decode_tokens == {"a": [6, 1, 2]}
+    scheduler.update_from_output(first_behind, output(first_behind, {"a": [1]}))  # none accepted
+    assert request.num_tokens == 16 and request.num_computed_tokens == 15 + 1 + K
+    # Tokens 0..14 have their KV: 3 blocks of 4.
+    assert scheduler.kv_cache_manager.managers[0].num_cached_blocks["a"] == 3
+    scheduler.update_from_output(second_behind, output(second_behind, {"a": [6, 1, 5]}))
+    assert request.output_token_ids == [3, 4, 9, 1, 6, 1, 5] and request.num_computed_tokens == request.num_tokens - 1
+    scheduler.finish_requests("a", request.status.FINISHED_ABORTED)
+    scheduler.schedule()
+    scheduler.check_idle()

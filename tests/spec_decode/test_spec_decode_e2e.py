@@ -15,10 +15,13 @@ import numpy as np
 import pytest
 from engine_utils import TARGETS, smollm2_gguf_path, target_settings
 from model_utils import save_tiny_checkpoint
-from spec_decode_utils import NEW_TOKENS, check_aborts_in_flight, prompts, reference, run
+from spec_decode_utils import NEW_TOKENS, check_aborts_in_flight, outcome, prompts, reference, run
 
 from pagoda import LLM, SamplingParams
+from pagoda.config import SpeculativeConfig
 from pagoda.model.loader import load_tokenizer
+from pagoda.scheduler.output import SchedulerOutput
+from pagoda.scheduler.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +73,79 @@ def test_outputs_are_identical_under_chunking_and_preemption(qwen3, variant: str
     assert results == expected
     if variant == "tiny-kv-pool-preempts":
         assert llm.llm_engine.engine_core.scheduler.make_stats().num_preemptions > 0
+
+
+def count_steps_behind_verify(monkeypatch) -> dict[str, int]:
+    """Counts, as the engine schedules, the requests scheduled behind their verify step in flight."""
+    counts = {"behind": 0}
+    schedule = Scheduler.schedule
+
+    def counting(self: Scheduler) -> SchedulerOutput:
+        scheduler_output = schedule(self)
+        counts["behind"] += len(scheduler_output.behind_verify)
+        return scheduler_output
+
+    monkeypatch.setattr(Scheduler, "schedule", counting)
+    return counts
+
+
+# Long enough for the tiny qwen3 to loop (so drafts are accepted); max_tokens reached mid-run.
+LONG_PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.7, top_k=20, seed=5, n=2, max_tokens=29, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("variant", ["default", *sorted(ENGINE_VARIANTS)])
+def test_steps_behind_verify_steps_give_the_tokens_of_speculation_off(qwen3, variant: str, monkeypatch) -> None:
+    """Async scheduling: a speculating request's next step runs behind its verify step in
+    flight (placed on the device by that step's accepted count), and greedy and seeded outputs
+    and logprobs stay those without speculation, under chunked prefill and preemption too."""
+    engine = {**ASYNC_CPU, **ENGINE_VARIANTS.get(variant, {})}
+    batch = prompts(4, count=3)
+
+    def generate(speculative: dict | None) -> tuple[list, LLM]:
+        llm = LLM(model=qwen3, **engine, speculative_config=speculative)
+        outputs = llm.generate(batch * len(LONG_PARAMS), [p for p in LONG_PARAMS for _ in batch], use_tqdm=False)
+        llm.llm_engine.check_idle()
+        return outcome(outputs), llm
+
+    expected, plain = generate(None)
+    plain.shutdown()
+    counts = count_steps_behind_verify(monkeypatch)
+    results, llm = generate(ngram(3))
+    assert results == expected
+    stats = llm.llm_engine.engine_core.scheduler.make_stats()
+    assert counts["behind"] > 0 and stats.spec_decoding.num_accepted_tokens > 0
+    if variant == "tiny-kv-pool-preempts":
+        assert stats.num_preemptions > 0
+
+
+def test_steps_behind_verify_steps_that_reject_every_draft_give_the_tokens_of_speculation_off(
+    qwen3, monkeypatch
+) -> None:
+    """Forced acceptance 0 (a benchmark setting) fills every step with k drafts and rejects them
+    all, so every decode step runs behind its verify step moved back by k, the most: each emits
+    only the model's own token, the token of speculation off."""
+    batch = prompts(5, count=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0.8, seed=9, max_tokens=18, ignore_eos=True, logprobs=1)
+    ] * 3
+
+    def generate(speculative: SpeculativeConfig | None) -> tuple[list, LLM]:
+        llm = LLM(model=qwen3, **ASYNC_CPU, speculative_config=speculative)
+        outputs = llm.generate(batch * 2, params, use_tqdm=False)
+        llm.llm_engine.check_idle()
+        return outcome(outputs), llm
+
+    expected, plain = generate(None)
+    plain.shutdown()
+    counts = count_steps_behind_verify(monkeypatch)
+    results, llm = generate(SpeculativeConfig("ngram", 3, forced_acceptance=0.0))
+    assert results == expected
+    stats = llm.llm_engine.engine_core.scheduler.make_stats().spec_decoding
+    assert stats.num_accepted_tokens == 0 and counts["behind"] >= stats.num_verify_steps // 2
 
 
 def test_aborts_with_steps_in_flight_leave_the_others_unchanged(qwen3, target) -> None:

@@ -65,3 +65,27 @@ def test_host_output_token_lists(sample_rows: list[int], sampled: list[list[int]
         expected[row] = [token for token in tokens if token >= 0]
     assert output.sampled_token_ids == expected
     assert output.req_id_to_index == {"a": 0, "b": 1, "c": 2}
+
+
+def test_rows_behind_a_verify_step_get_their_positions_with_the_ids() -> None:
+    """Row 1 ran behind its verify step, laid out at position 20 and moved back 2 on the device:
+    its position is known once the ids come back (with the drafts and logprobs unmoved)."""
+    seen = {}
+    output = AsyncGPUModelRunnerOutput(
+        req_ids=["a", "b"],
+        sample_rows=np.array([0, 1]),
+        positions=np.array([9, 20]),
+        num_drafts=np.array([0, 2]),
+        logits_start=np.array([0, 1]),
+        sampled_token_ids=torch.tensor([[5, -1, -1], [6, 7, -1]]),
+        logprobs=None,
+        prompt_logprobs={},
+        copy_stream=None,
+        on_ready=lambda output, ids: seen.update(positions=output.positions.tolist(), ids=ids.tolist()),
+        draft_token_ids=torch.tensor([[1, 2], [3, -1]]),
+        position_shifts=torch.tensor([0, -2]),
+    )
+    assert output.positions.tolist() == [9, 20]
+    result = output.get_output()
+    assert seen == {"positions": [9, 18], "ids": [[5, -1, -1], [6, 7, -1]]}
+    assert result.sampled_token_ids == [[5], [6, 7]] and result.draft_token_ids == [[1, 2], [3]]
