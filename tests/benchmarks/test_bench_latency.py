@@ -176,7 +176,8 @@ def test_bench_latency_rejects_a_prefill_longer_than_the_model(tiny_qwen3, capsy
 @pytest.mark.parametrize(
     "peer",
     [
-        pytest.param([], marks=pytest.mark.gpu, id="alone"),
+        # Times the device and sizes a full-length KV pool: alone on the GPU (tests/gpu_workers.py).
+        pytest.param([], marks=[pytest.mark.gpu, pytest.mark.serial], id="alone"),
         # HF static-cache generate beside it: a minute more, so with the full-size runs.
         pytest.param(["--peer", "hf"], marks=pytest.mark.slow, id="beside-hf"),
     ],
