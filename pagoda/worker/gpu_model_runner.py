@@ -466,10 +466,8 @@ class GPUModelRunner:
     def capture_model(self) -> None:
         """Capture every graph, largest first, over the real KV cache."""
         self._capture_encoder_graphs()
-        if self.device.type == "cuda" and self.is_last_stage and self.pooler is None:
-            self._warm_up_logits()
-        if self.device.type == "cuda" and self.model_config.batch_invariant:
-            self._warm_up_batch_invariant_gemms()
+        if self.device.type == "cuda":
+            self._warm_up_eager_linears()
         if self.cudagraph_manager is None:
             return
         start = time.perf_counter()
@@ -490,42 +488,45 @@ class GPUModelRunner:
             (free_before - torch.cuda.mem_get_info()[0]) / 2**30,
         )
 
-    def _warm_up_logits(self) -> None:
-        """The LM head at every row count its GEMV path takes, so its kernels compile here: the
-        graphs leave the LM head out, and the first request's first token paid the compile
-        (~240 ms on the H200, Llama-3.1-8B shape, 2026-12-02)."""
-        assert self.model is not None
-        hidden_size = self.model_config.text_config.hidden_size
-        for rows in range(1, min(GEMV_MAX_TOKENS, self.max_num_tokens) + 1):
-            self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=self.dtype, device=self.device))
+    def _warm_up_eager_linears(self) -> None:
+        """Run each linear that executes outside the graphs once at each row count where its kernel
+        launch changes, so Triton compiles here and not inside the first requests' steps (the LM
+        head's GEMV cost the first token ~240 ms on the H200, Llama-3.1-8B shape, 2026-12-02)."""
+        for module, row_counts in self._eager_linear_launches():
+            in_features = module.weight.shape[1]
+            for rows in row_counts:
+                module(torch.zeros(rows, in_features, dtype=self.dtype, device=self.device))
 
-    def _warm_up_batch_invariant_gemms(self) -> None:
-        """Each linear layer (up to max_num_tokens rows) and the LM head (up to max_num_reqs) at
-        the first row count of each launch the batch-invariant GEMM takes for its weight, which
-        follows the row count (`triton_gemv.launch_tiling`): so eager prefills and the LM head,
-        outside the graphs, compile no kernel in the first requests' steps."""
+    def _eager_linear_launches(self) -> list[tuple[torch.nn.Module, list[int]]]:
+        """(module, row counts) for one module of each weight shape: the LM head, which the graphs
+        leave out (its GEMV up to GEMV_MAX_TOKENS rows, one kernel per count), and in batch-invariant
+        mode every linear too, since eager prefills run them at any count: the first count of each
+        launch the invariant GEMM takes (`triton_gemv.launch_tiling` follows the row count)."""
         from pagoda.model.ops.triton_gemv import launch_change_points
 
         assert self.model is not None
-        warmed: set[tuple[bool, tuple[int, ...], bool]] = set()
+        launches: dict[tuple[bool, tuple[int, ...], bool], tuple[torch.nn.Module, list[int]]] = {}
         for module in self.model.modules():
             is_head = isinstance(module, ParallelLMHead)
             if is_head:
+                if not self.is_last_stage or self.pooler is not None:
+                    continue
                 batch_invariant = module.batch_invariant
+            elif isinstance(module, LinearBase) and getattr(module.quant_method, "batch_invariant", False):
+                batch_invariant = True
             else:
-                batch_invariant = isinstance(module, LinearBase) and getattr(
-                    module.quant_method, "batch_invariant", False
-                )
-            if not batch_invariant:
                 continue
             n, k = module.weight.shape
             key = (is_head, (n, k), getattr(module, "bias", None) is not None)
-            if key in warmed:
+            if key in launches:
                 continue
-            warmed.add(key)
-            max_rows = self.max_num_reqs if is_head else self.max_num_tokens
-            for rows in launch_change_points(n, k, self.dtype, self.device, max_rows):
-                module(torch.zeros(rows, k, dtype=self.dtype, device=self.device))
+            if batch_invariant:
+                max_rows = self.max_num_reqs if is_head else self.max_num_tokens
+                row_counts = launch_change_points(n, k, self.dtype, self.device, max_rows)
+            else:
+                row_counts = list(range(1, min(GEMV_MAX_TOKENS, self.max_num_tokens) + 1))
+            launches[key] = (module, row_counts)
+        return list(launches.values())
 
     @torch.inference_mode()
     def profile_cudagraph_memory(self) -> int:

@@ -96,11 +96,16 @@ class Worker:
 
     def _check_free_memory(self) -> int:
         """Device bytes in use outside this process's torch allocator (other processes', this
-        one's CUDA context); refuses to start where the rest cannot hold the share
-        `gpu_memory_utilization` asks for. Memory torch holds cached but unallocated counts as free."""
+        one's CUDA context), after checking the rest can hold this engine's share. Memory torch
+        holds cached but unallocated counts as free."""
         free, total = torch.cuda.mem_get_info()
         reserved = torch.cuda.memory_reserved()
-        usable = free + reserved - torch.cuda.memory_allocated()
+        self._require_share(free + reserved - torch.cuda.memory_allocated(), total)
+        return total - free - reserved
+
+    def _require_share(self, usable: int, total: int) -> None:
+        """Refuse to start where `usable` bytes cannot hold the share `gpu_memory_utilization`
+        asks for: the engine would size its KV cache into memory others hold."""
         wanted = total * self.cache_config.gpu_memory_utilization
         if usable < wanted:
             raise ValueError(
@@ -108,7 +113,6 @@ class Worker:
                 f"{wanted / GiB:.2f} GiB of cuda:{self.local_rank}, but only {usable / GiB:.2f} GiB of its "
                 f"{total / GiB:.2f} GiB are free (other processes hold the rest): lower it"
             )
-        return total - free - reserved
 
     def _cpu_threads_per_rank(self) -> int:
         """Local processes (the "mp" executor) share the host's `cpu_threads`: each rank takes

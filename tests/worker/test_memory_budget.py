@@ -15,8 +15,12 @@ from pagoda import LLM, SamplingParams
 from pagoda.worker.worker import GiB, Worker
 
 
-def fake_worker(utilization: float) -> SimpleNamespace:
-    return SimpleNamespace(cache_config=SimpleNamespace(gpu_memory_utilization=utilization), local_rank=0)
+def fake_worker(utilization: float) -> Worker:
+    """A worker with only what the memory check reads."""
+    worker = Worker.__new__(Worker)
+    worker.cache_config = SimpleNamespace(gpu_memory_utilization=utilization)
+    worker.local_rank = 0
+    return worker
 
 
 def fake_device(monkeypatch, free: int, total: int, reserved: int = 0, allocated: int = 0) -> None:
@@ -27,19 +31,19 @@ def fake_device(monkeypatch, free: int, total: int, reserved: int = 0, allocated
 
 def test_what_others_hold_is_in_use_and_the_share_fits(monkeypatch) -> None:
     fake_device(monkeypatch, free=60 * GiB, total=100 * GiB)
-    assert Worker._check_free_memory(fake_worker(0.4)) == 40 * GiB
+    assert fake_worker(0.4)._check_free_memory() == 40 * GiB
 
 
 def test_cached_torch_memory_counts_as_free(monkeypatch) -> None:
     """An earlier engine of this process left 30 GiB in torch's cache: it is this process's to reuse."""
     fake_device(monkeypatch, free=20 * GiB, total=100 * GiB, reserved=35 * GiB, allocated=5 * GiB)
-    assert Worker._check_free_memory(fake_worker(0.5)) == 45 * GiB
+    assert fake_worker(0.5)._check_free_memory() == 45 * GiB
 
 
 def test_a_share_the_device_cannot_give_names_the_field(monkeypatch) -> None:
     fake_device(monkeypatch, free=30 * GiB, total=100 * GiB)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0\.4 asks for 40\.00 GiB .* only 30\.00 GiB"):
-        Worker._check_free_memory(fake_worker(0.4))
+        fake_worker(0.4)._check_free_memory()
 
 
 HOLDER = textwrap.dedent(

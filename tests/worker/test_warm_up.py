@@ -46,3 +46,39 @@ def test_batch_invariant_requests_compile_no_gemm(monkeypatch) -> None:
         prompts = [[7] * length for length in (17, 40, 100, 300, 700)] + [[9] * 16] * 100
         llm.generate(prompts, params, use_tqdm=False)
         assert [name for name in compiled if "gemv" in name or "sum_splits" in name] == []
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_warm_up_runs_each_eager_linear_shape_once_at_its_launch_points(tmp_path, batch_invariant: bool) -> None:
+    """The head's GEMV at 1..GEMV_MAX_TOKENS rows; in batch-invariant mode every linear shape,
+    once, at the first row count of each launch the invariant GEMM takes."""
+    from model_utils import save_tiny_checkpoint
+
+    from pagoda.model.layers.embedding import ParallelLMHead
+    from pagoda.model.layers.linear import LinearBase
+    from pagoda.model.ops import GEMV_MAX_TOKENS
+    from pagoda.model.ops.triton_gemv import launch_change_points
+
+    save_tiny_checkpoint("qwen3", str(tmp_path))
+    engine = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "num_gpu_blocks": 32}
+    engine |= {"attention_backend": "triton", "batch_invariant": True} if batch_invariant else {}
+    with LLM(str(tmp_path), max_num_seqs=4, max_num_batched_tokens=64, **engine) as llm:
+        runner = llm.llm_engine.engine_core.executor.worker.model_runner
+        launches = runner._eager_linear_launches()
+    heads = [(module, rows) for module, rows in launches if isinstance(module, ParallelLMHead)]
+    linears = [(module, rows) for module, rows in launches if isinstance(module, LinearBase)]
+    assert len(heads) == 1
+    head, head_rows = heads[0]
+    if not batch_invariant:
+        assert head_rows == list(range(1, GEMV_MAX_TOKENS + 1))
+        assert linears == []
+        return
+    assert head_rows == launch_change_points(*head.weight.shape, runner.dtype, runner.device, 4)
+    shapes = {
+        (tuple(module.weight.shape), module.bias is not None)
+        for module in runner.model.modules()
+        if isinstance(module, LinearBase)
+    }
+    assert len(linears) == len(shapes) > 1
+    for module, rows in linears:
+        assert rows == launch_change_points(*module.weight.shape, runner.dtype, runner.device, 64)
