@@ -145,7 +145,9 @@ def pipeline_steps(args: argparse.Namespace) -> dict:
 
     backend, _, states = schema_states(args)
     device = torch.device(args.device if torch.cuda.is_available() else "cpu")
-    pipeline = GrammarPipeline(2 * args.batch, backend.mask_vocab_size, device, GrammarBatch(args.threads))
+    pipeline = GrammarPipeline(
+        2 * args.batch, backend.mask_vocab_size, device, GrammarBatch(args.threads, args.min_rows_per_thread)
+    )
     rng = np.random.default_rng(0)
     small = torch.zeros(64)
     counts = dict.fromkeys(range(64), 0)
@@ -195,7 +197,7 @@ def host_only(args: argparse.Namespace) -> dict:
     from pagoda.structured_output.state import GrammarBatch, allocate_bitmask
 
     backend, vocab_size, states = schema_states(args)
-    batch = GrammarBatch(args.threads)
+    batch = GrammarBatch(args.threads, args.min_rows_per_thread)
     mask_vocab_size = backend.mask_vocab_size  # the tokenizer's: the model's ids past it are refused
     bitmask = allocate_bitmask(args.batch, mask_vocab_size, pin_memory=False)
     rng = np.random.default_rng(0)
@@ -214,6 +216,7 @@ def host_only(args: argparse.Namespace) -> dict:
         "vocab_size": vocab_size,
         "mask_vocab_size": mask_vocab_size,
         "threads": len(batch._batches),
+        "min_rows_per_thread": batch.min_rows_per_thread,
         "steps": args.host_steps,
         "mean_output_tokens": float(np.mean([len(state.accepted) for state in states])),
         # The first steps fill from the schema's start, which every state shares: left out.
@@ -255,6 +258,9 @@ def main() -> None:
     parser.add_argument("--host-steps", type=int, default=60)
     parser.add_argument(
         "--threads", type=int, default=None, help="--host-only: GrammarBatch's threads (default: its own)"
+    )
+    parser.add_argument(
+        "--min-rows-per-thread", type=int, default=None, help="--host-only, --pipeline: GrammarBatch's chunk"
     )
     parser.add_argument("--vocab-size", type=int, default=151_936, help="--host-only: the model's vocabulary")
     parser.add_argument("--result-json", default=None)

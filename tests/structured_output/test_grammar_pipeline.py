@@ -103,8 +103,7 @@ def test_rows_split_over_threads_give_the_one_thread_masks(backend) -> None:
     """A job's rows advanced and filled in spans on three threads: the same masks, step by step,
     and the same states as on one thread (rows of several grammars, one ending early)."""
     specs = [ALTERNATING, StructuredOutputsParams(choice=["ab", "abab"]), StructuredOutputsParams(regex=r"[a-c]+")]
-    threaded = GrammarBatch(3)
-    threaded.MIN_ROWS_PER_THREAD = 2  # three spans of the nine rows
+    threaded = GrammarBatch(3, min_rows_per_thread=2)  # three spans of the nine rows
     runs = []
     for batch in (GrammarBatch(1), threaded):
         pipeline = GrammarPipeline(max_rows=32, mask_vocab_size=VOCAB, device=torch.device("cpu"), batch=batch)

@@ -66,8 +66,7 @@ def test_a_batch_advances_and_fills_as_each_state_alone(backend, num_threads: in
     states are left alone."""
     specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(choice=["yes", "no"])] * 3
     alone, batched = ([state_of(backend, spec) for spec in specs] for _ in range(2))
-    batch = GrammarBatch(num_threads)
-    batch.MIN_ROWS_PER_THREAD = 2  # three spans of the six rows with three threads
+    batch = GrammarBatch(num_threads, min_rows_per_thread=2)  # three spans of the six rows with three threads
     histories = [b'{"n', b"y", b'{"n": 1', b"no", b"x", b"n"]  # "x" is outside its choice
     for step in range(max(map(len, histories))):
         moving = [i for i, history in enumerate(histories) if step < len(history)]
@@ -105,3 +104,16 @@ def test_whether_the_matcher_ended_is_kept_in_step_with_it(backend) -> None:
     assert not state.accept([ord("x")]) and state.failed
     state.sync([*b"ab", EOS_ID])
     assert state.is_terminated and in_step() and not state.failed
+
+
+@pytest.mark.parametrize(
+    ("cpus", "min_rows"), [(2, GrammarBatch.MIN_ROWS_SMALL_HOST), (16, GrammarBatch.MIN_ROWS_LARGE_HOST)]
+)
+def test_a_batch_chunks_its_rows_by_the_hosts_size(monkeypatch, cpus: int, min_rows: int) -> None:
+    """Small chunks only where idle cores wake fast: on a 2-CPU host 64 rows a thread, on a GPU
+    server's 16 CPUs 16 rows, so 131 rows take 2 or 8 spans."""
+    monkeypatch.setattr("pagoda.structured_output.state.usable_cpu_count", lambda: cpus)
+    batch = GrammarBatch()
+    assert batch.min_rows_per_thread == min_rows
+    assert len(batch._spans(131)) == min(len(batch._batches), 131 // min_rows)
+    assert GrammarBatch(min_rows_per_thread=200)._spans(131) == [(0, 131)]
