@@ -2,10 +2,12 @@
 greedy, on chat prompts whose answers repeat text the prompt quotes (editing code, fixing a
 paragraph, reformatting a list), where prompt lookup finds its drafts.
 
-One process holds two engines, speculation off and on, and runs the same batch through them in
-alternating rounds; each round prints both speeds (output tok/s over the generate call), the
-acceptance the speculating engine's scheduler counted, whether the answers are identical, and
-the load average (on a shared machine the per-round ratio is what counts). Usage:
+One process holds three engines, speculation off, on, and on under async scheduling (where the
+proposer drafts from history one step stale: the acceptance it costs), and runs the same batch
+through them in alternating rounds; each round prints their speeds (output tok/s over the
+generate call), the acceptance each speculating engine's scheduler counted, whether the answers
+equal speculation off's, and the load average (on a shared machine the per-round ratio is what
+counts). Usage:
 
     PYTHONPATH=. python benchmarks/ngram_cpu.py --rounds 3 [--batch 1] [--k 4]
 """
@@ -63,13 +65,15 @@ def main() -> None:
         parser.error(f"--batch must be in [1, {len(TASKS)}], got {args.batch}")
 
     engine = {"device": "cpu", "dtype": args.dtype}
+    speculative_config = {"method": "ngram", "num_speculative_tokens": args.k}
     plain = LLM(**engine)
-    speculating = LLM(**engine, speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
-    probe = acceptance_probe(speculating)
-    assert probe is not None
+    speculating = {
+        scheduling: LLM(**engine, speculative_config=speculative_config, async_scheduling=scheduling == "async")
+        for scheduling in ("sync", "async")
+    }
     conversations = [[{"role": "user", "content": task}] for task in TASKS[: args.batch]]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    for llm in (plain, speculating):
+    for llm in (plain, *speculating.values()):
         llm.chat(conversations[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
     def timed(llm: LLM) -> tuple[list[list[int]], float]:
@@ -82,15 +86,19 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct, {args.dtype}, {len(conversations)} prompts, greedy, n-gram k = {args.k}")
     for round_index in range(args.rounds):
         off_tokens, off_rate = timed(plain)
-        (on_tokens, on_rate), acceptance = probe(lambda: timed(speculating))
-        same = sum(a == b for a, b in zip(off_tokens, on_tokens, strict=True))
-        print(
-            f"round {round_index}: off {off_rate:.1f} tok/s, on {on_rate:.1f} tok/s ({on_rate / off_rate:.2f}x); "
-            f"{acceptance.summary()}; answers identical {same}/{len(conversations)} (load {load_average()})",
-            flush=True,
-        )
-    plain.shutdown()
-    speculating.shutdown()
+        print(f"round {round_index}: off {off_rate:.1f} tok/s (load {load_average()})", flush=True)
+        for scheduling, llm in speculating.items():
+            probe = acceptance_probe(llm)
+            assert probe is not None
+            (on_tokens, on_rate), acceptance = probe(lambda llm=llm: timed(llm))
+            same = sum(a == b for a, b in zip(off_tokens, on_tokens, strict=True))
+            print(
+                f"  on, {scheduling}: {on_rate:.1f} tok/s ({on_rate / off_rate:.2f}x); {acceptance.summary()}; "
+                f"answers identical {same}/{len(conversations)} (load {load_average()})",
+                flush=True,
+            )
+    for llm in (plain, *speculating.values()):
+        llm.shutdown()
 
 
 if __name__ == "__main__":
