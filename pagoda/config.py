@@ -29,6 +29,10 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 # Values of ModelConfig.quantization (None: the checkpoint's own) and CacheConfig.kv_cache_dtype.
 QUANTIZATION_METHODS = (None, "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+# How a GGUF's 4-bit linear weights (Q4_0, Q4_1) load: kept 4-bit for the CPU's int4 kernel
+# ("quantized"), or dequantized to the model dtype; "auto": quantized on the CPU where every
+# linear weight is 4-bit (pagoda/model/layers/quantization/config.py resolves it).
+GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 # State-space layers' prefix caching (vLLM's names): "none", one state per request and no
 # caching; "align", a state checkpoint at every block boundary (steps end on boundaries they
 # reach), so a cached prefix resumes from the checkpoint at its end.
@@ -132,6 +136,8 @@ class ModelConfig:
     # "fp8": FP8 weights, quantized at load from a bf16/fp16 checkpoint; None: as the checkpoint is
     # (an FP8 checkpoint's quantization_config resolves this to "fp8").
     quantization: str | None = None
+    # A GGUF's 4-bit linear weights: "quantized", "dequantized" or "auto" (see GGUF_WEIGHTS).
+    gguf_weights: str = "auto"
     # Every kernel of the forward computes a row in an order that no other row, nor their count,
     # changes (pagoda/engine/batch_invariance.py says what it covers and refuses).
     batch_invariant: bool = False
@@ -147,6 +153,8 @@ class ModelConfig:
             raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError(f"quantization must be 'fp8' or unset, got {self.quantization!r}")
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            raise ConfigError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
 
     @property
     def is_embedding_model(self) -> bool:

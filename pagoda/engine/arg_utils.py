@@ -29,7 +29,11 @@ from pagoda.config import (
 from pagoda.engine.batch_invariance import check_batch_invariant
 from pagoda.kv_transfer.disagg.params import private_ipc_address
 from pagoda.lora.config import LORA_ARGUMENTS, resolve_lora_config
-from pagoda.model.layers.quantization.config import check_kv_cache_dtype, resolve_quantization
+from pagoda.model.layers.quantization.config import (
+    check_kv_cache_dtype,
+    resolve_gguf_weights,
+    resolve_quantization,
+)
 from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
 from pagoda.pooling.config import resolve_pooler_config, resolve_task
 from pagoda.spec_decode.draft_config import resolve_draft_model, resolve_eagle_head
@@ -88,6 +92,14 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
     model_config.dtype = _resolve_dtype(model_config.dtype, device_config)
     model_config.quantization = resolve_quantization(
         model_config.quantization, model_config.hf_config, model_config.load_format, torch.device(device_config.device)
+    )
+    model_config.gguf_weights = resolve_gguf_weights(
+        model_config.gguf_weights,
+        model_config.model,
+        model_config.load_format,
+        torch.device(device_config.device),
+        model_config.quantization,
+        model_config.batch_invariant,
     )
     model_config.task = resolve_task(model_config.task, model_config.hf_config)
     if model_config.is_embedding_model:

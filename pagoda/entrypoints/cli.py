@@ -62,6 +62,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="fp8: FP8 weights, quantized at load from a bf16/fp16 checkpoint (default: as the checkpoint is)",
     )
     model.add_argument(
+        "--gguf-weights",
+        default=None,
+        choices=["auto", "quantized", "dequantized"],
+        help="a GGUF's Q4_0/Q4_1 linear weights: quantized (kept 4-bit, torch's CPU int4 kernel), dequantized "
+        "(to the model dtype); auto: quantized on the CPU where every linear weight is 4-bit (default: auto)",
+    )
+    model.add_argument(
         "--task",
         default="auto",
         choices=["auto", "generate", "embed"],
@@ -205,6 +212,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_config",
         "pooler_config",
         "quantization",
+        "gguf_weights",
         "kv_cache_dtype",
         "max_loras",
         "max_lora_rank",

@@ -1,5 +1,6 @@
 """GGUF (llama.cpp) files: the HF config built from the metadata (read by `gguf_file`), and
-the tensors dequantized with the `gguf` package and renamed to HF names.
+the tensors renamed to HF names, dequantized with the `gguf` package or, for 4-bit linear
+weights loaded quantized, rewritten as int4 groups (`gguf_int4`).
 
 The only module that imports `gguf`; it is imported only when a GGUF model is loaded.
 """
@@ -16,7 +17,9 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from pagoda.config import ConfigError
+from pagoda.model.layers.quantization.int4 import ROWS_MULTIPLE
 from pagoda.model.loader.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf_file
+from pagoda.model.loader.gguf_int4 import HAS_MIN, LINEAR_PARTS, int4_groups
 from pagoda.model.registry import ARCHITECTURE_OF_MODEL_TYPE
 
 # GGUF `general.architecture` -> HF model_type. llama.cpp also files Mistral under "llama".
@@ -145,8 +148,26 @@ def _tensor_bytes(data: np.memmap, tensor: GGUFTensorInfo, ggml_type: gguf.GGMLQ
     return np.asarray(data[tensor.offset : tensor.offset + num_bytes]).reshape(row_shape)
 
 
-def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time."""
+def int4_obstacle(path: str) -> str | None:
+    """Why the file's linear weights cannot all stay 4-bit for `Int4LinearMethod`; None: they can."""
+    for tensor in read_gguf_file(path).tensors:
+        block_part = _block_part(tensor.name)
+        if block_part is None or block_part[1] not in LINEAR_PARTS or not tensor.name.endswith(".weight"):
+            continue
+        if tensor.ggml_type not in HAS_MIN:
+            type_name = gguf.GGMLQuantizationType(tensor.ggml_type).name
+            return f"needs Q4_0 or Q4_1 linear weights, {tensor.name} is {type_name}"
+        if tensor.shape[-1] % ROWS_MULTIPLE:
+            return f"needs output rows divisible by {ROWS_MULTIPLE}, {tensor.name} has {tensor.shape[-1]}"
+    return None
+
+
+def iter_gguf_weights(
+    path: str, hf_config: PretrainedConfig, int4_linears: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of the file, one at a time: float32, dequantized, or
+    with `int4_linears` each Q4_0/Q4_1 linear weight as its int4 groups (`<layer>.qweight`,
+    `.weight_scale`, `.weight_zero`, what `Int4LinearMethod` registers)."""
     file = read_gguf_file(path)
     heads_of_permuted: dict[str, int] = {}
     if _architecture(file) in _ARCHS_WITH_PERMUTED_QK:
@@ -155,11 +176,18 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[
     data = np.memmap(file.path, mode="r")
     for tensor in file.tensors:
         ggml_type = gguf.GGMLQuantizationType(tensor.ggml_type)
-        array = gguf.quants.dequantize(_tensor_bytes(data, tensor, ggml_type), ggml_type)
+        raw = _tensor_bytes(data, tensor, ggml_type)
+        block_part = _block_part(tensor.name)
+        heads = heads_of_permuted.get(block_part[1]) if block_part is not None else None
+        name = hf_weight_name(tensor.name)
+        if int4_linears and block_part is not None and block_part[1] in LINEAR_PARTS and ggml_type in HAS_MIN:
+            base = name.removesuffix(".weight")
+            # Each row's blocks stay whole, so llama.cpp's Q/K row permutation undoes on them too.
+            for suffix, part in zip(("qweight", "weight_scale", "weight_zero"), int4_groups(raw, ggml_type)):
+                yield f"{base}.{suffix}", part if heads is None else _unpermute_rows(part, heads)
+            continue
+        array = gguf.quants.dequantize(raw, ggml_type)
         if not array.flags.writeable:
             array = np.array(array)
         weight = torch.from_numpy(array).reshape(list(reversed(tensor.shape)))
-        block_part = _block_part(tensor.name)
-        if block_part is not None and block_part[1] in heads_of_permuted:
-            weight = _unpermute_rows(weight, heads_of_permuted[block_part[1]])
-        yield hf_weight_name(tensor.name), weight
+        yield name, weight if heads is None else _unpermute_rows(weight, heads)

@@ -1,5 +1,6 @@
 """Which quantization a model runs with: the user's `quantization` setting against the
-checkpoint's own `quantization_config` (config.json), resolved to a `QuantizationConfig`."""
+checkpoint's own `quantization_config` (config.json), and a GGUF's `gguf_weights` against the
+device and the file's tensor types, resolved to a `QuantizationConfig`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pagoda.config import ConfigError
 from pagoda.model.layers.quantization.base import QuantizationConfig
 from pagoda.model.layers.quantization.fp8 import Fp8Config
 from pagoda.model.layers.quantization.fp8_ops import fp8_supported
+from pagoda.model.layers.quantization.int4 import Int4Config
 
 # Checkpoint `quant_method`s that load as FP8.
 CHECKPOINT_FP8_METHODS = ("fp8", "compressed-tensors")
@@ -44,6 +46,38 @@ def resolve_quantization(
     return quantization
 
 
+def resolve_gguf_weights(
+    gguf_weights: str, model: str, load_format: str, device: torch.device, quantization: str | None, batch_invariant: bool
+) -> str:
+    """"quantized" or "dequantized": how the GGUF's linear weights load. "auto" keeps them 4-bit
+    where the int4 kernel can run them all (the CPU, Q4_0/Q4_1 weights, no other quantization,
+    no batch invariance), else dequantizes; "quantized" where it cannot is an error saying why."""
+    if gguf_weights == "dequantized":
+        return gguf_weights
+    if load_format != "gguf":
+        if gguf_weights == "quantized":
+            raise ConfigError(f"gguf_weights 'quantized' is for GGUF models, this one loads as {load_format!r}")
+        return "dequantized"
+    reason = _why_not_int4(model, device, quantization, batch_invariant)
+    if reason is None:
+        return "quantized"
+    if gguf_weights == "quantized":
+        raise ConfigError(f"gguf_weights 'quantized' {reason}: use gguf_weights='dequantized'")
+    return "dequantized"
+
+
+def _why_not_int4(model: str, device: torch.device, quantization: str | None, batch_invariant: bool) -> str | None:
+    if device.type != "cpu":
+        return f"runs torch's CPU int4 kernel, the device is {device.type!r}"
+    if quantization is not None:
+        return f"cannot combine with quantization {quantization!r}"
+    if batch_invariant:
+        return "is not batch-invariant (the int4 kernel's sums may depend on the batch)"
+    from pagoda.model.loader.gguf_loader import int4_obstacle
+
+    return int4_obstacle(model)
+
+
 def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
     """An FP8 KV cache needs e4m3 conversions in the attention kernels: sm_89 and newer."""
     if kv_cache_dtype == "fp8" and not fp8_supported(device):
@@ -53,9 +87,14 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
         )
 
 
-def build_quantization_config(quantization: str | None, hf_config: Any, load_format: str) -> QuantizationConfig | None:
-    """The layers' quantization: the checkpoint's FP8 layout where it publishes one (except for
-    dummy weights, which are drawn in the model dtype), else FP8 quantized at load if asked."""
+def build_quantization_config(
+    quantization: str | None, hf_config: Any, load_format: str, gguf_weights: str = "dequantized"
+) -> QuantizationConfig | None:
+    """The layers' quantization: a GGUF's int4 groups where they load quantized, the checkpoint's
+    FP8 layout where it publishes one (except for dummy weights, which are drawn in the model
+    dtype), else FP8 quantized at load if asked."""
+    if gguf_weights == "quantized" and load_format == "gguf":
+        return Int4Config()
     if quantization is None:
         return None
     published = checkpoint_quantization(hf_config)
