@@ -183,7 +183,9 @@ def iter_gguf_weights(
         if int4_linears and block_part is not None and block_part[1] in LINEAR_PARTS and ggml_type in HAS_MIN:
             base = name.removesuffix(".weight")
             # Each row's blocks stay whole, so llama.cpp's Q/K row permutation undoes on them too.
-            for suffix, part in zip(("qweight", "weight_scale", "weight_zero"), int4_groups(raw, ggml_type)):
+            for suffix, part in zip(
+                ("qweight", "weight_scale", "weight_zero"), int4_groups(raw, ggml_type), strict=True
+            ):
                 yield f"{base}.{suffix}", part if heads is None else _unpermute_rows(part, heads)
             continue
         array = gguf.quants.dequantize(raw, ggml_type)

@@ -47,9 +47,14 @@ def resolve_quantization(
 
 
 def resolve_gguf_weights(
-    gguf_weights: str, model: str, load_format: str, device: torch.device, quantization: str | None, batch_invariant: bool
+    gguf_weights: str,
+    model: str,
+    load_format: str,
+    device: torch.device,
+    quantization: str | None,
+    batch_invariant: bool,
 ) -> str:
-    """"quantized" or "dequantized": how the GGUF's linear weights load. "auto" keeps them 4-bit
+    """ "quantized" or "dequantized": how the GGUF's linear weights load. "auto" keeps them 4-bit
     where the int4 kernel can run them all (the CPU, Q4_0/Q4_1 weights, no other quantization,
     no batch invariance), else dequantizes; "quantized" where it cannot is an error saying why."""
     if gguf_weights == "dequantized":
