@@ -176,8 +176,9 @@ def test_int4_obstacle_names_the_tensor_that_cannot_stay_4bit(tmp_path) -> None:
 
 
 @needs_smollm2
-def test_gguf_weights_resolve_to_quantized_only_where_the_kernel_runs() -> None:
+def test_gguf_weights_resolve_to_quantized_only_where_the_kernel_runs(monkeypatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert resolve_gguf_weights("auto", SMOLLM2, "gguf", cpu, None, False) == "quantized"
     assert resolve_gguf_weights("dequantized", SMOLLM2, "gguf", cpu, None, False) == "dequantized"
     for device, quantization, invariant in [(cuda, None, False), (cpu, "fp8", False), (cpu, None, True)]:
@@ -190,6 +191,9 @@ def test_gguf_weights_resolve_to_quantized_only_where_the_kernel_runs() -> None:
         resolve_gguf_weights("quantized", SMOLLM2, "gguf", cpu, "fp8", False)
     with pytest.raises(ConfigError, match="gguf_weights 'quantized' is for GGUF models"):
         resolve_gguf_weights("quantized", "/some/hf/dir", "safetensors", cpu, None, False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # runs, slower than float
+    assert resolve_gguf_weights("auto", SMOLLM2, "gguf", cpu, None, False) == "dequantized"
+    assert resolve_gguf_weights("quantized", SMOLLM2, "gguf", cpu, None, False) == "quantized"
     with pytest.raises(ConfigError, match="gguf_weights must be one of auto, quantized, dequantized, got 'int4'"):
         LLM(device="cpu", gguf_weights="int4")
 

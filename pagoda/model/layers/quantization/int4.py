@@ -14,8 +14,10 @@ loader like any weight (merged q/k/v and gate/up rows stack before packing). Aft
 become the kernel's packed `int4_weight` [N, K / 2] (an ISA-specific layout, hence a new name:
 refilling it from a checkpoint would be wrong) and bf16 `scales_and_zeros` [K / 32, N, 2].
 
-The kernel takes bf16 activations only (a float32 input runs a scalar path ~100x slower), so a
-float32 model's inputs are rounded to bf16 for these layers and the output cast back.
+The kernel is fast with bf16 activations only (a float32 input ran ~100x slower), so a float32
+model's inputs are rounded to bf16 for these layers and the output cast back; that needs no
+AVX-512 BF16 instructions (the kernel widens bf16 to float32), but it needs AVX-512: its AVX2
+build was slower than float32 F.linear, so "auto" picks this only there (see config.py).
 """
 
 from __future__ import annotations
