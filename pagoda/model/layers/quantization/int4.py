@@ -15,9 +15,9 @@ become the kernel's packed `int4_weight` [N, K / 2] (an ISA-specific layout, hen
 refilling it from a checkpoint would be wrong) and bf16 `scales_and_zeros` [K / 32, N, 2].
 
 The kernel is fast with bf16 activations only (a float32 input ran ~100x slower), so a float32
-model's inputs are rounded to bf16 for these layers and the output cast back; that needs no
-AVX-512 BF16 instructions (the kernel widens bf16 to float32), but it needs AVX-512: its AVX2
-build was slower than float32 F.linear, so "auto" picks this only there (see config.py).
+model's inputs are rounded to bf16 for these layers and the output cast back. Its speed needs
+ATen's AVX-512 build: the AVX2 one was slower than float32 F.linear, so "auto" picks this only
+with AVX-512 (see config.py); an AVX-512 CPU without BF16 instructions is unmeasured.
 """
 
 from __future__ import annotations
