@@ -30,8 +30,8 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 QUANTIZATION_METHODS = (None, "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 # How a GGUF's 4-bit linear weights (Q4_0, Q4_1) load: kept 4-bit for the CPU's int4 kernel
-# ("quantized"), or dequantized to the model dtype; "auto": quantized on the CPU where every
-# linear weight is 4-bit (pagoda/model/layers/quantization/config.py resolves it).
+# ("quantized"), or dequantized to the model dtype; "auto": quantized for a bf16 model on an
+# AVX-512 CPU where every linear weight is 4-bit (pagoda/model/layers/quantization/config.py).
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 # State-space layers' prefix caching (vLLM's names): "none", one state per request and no
 # caching; "align", a state checkpoint at every block boundary (steps end on boundaries they

@@ -98,6 +98,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         model_config.model,
         model_config.load_format,
         torch.device(device_config.device),
+        model_config.dtype,
         model_config.quantization,
         model_config.batch_invariant,
     )

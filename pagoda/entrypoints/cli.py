@@ -66,7 +66,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=["auto", "quantized", "dequantized"],
         help="a GGUF's Q4_0/Q4_1 linear weights: quantized (kept 4-bit, torch's CPU int4 kernel), dequantized "
-        "(to the model dtype); auto: quantized on the CPU where every linear weight is 4-bit (default: auto)",
+        "(to the model dtype); auto: quantized for a bfloat16 model on an AVX-512 CPU where every linear weight "
+        "is 4-bit (default: auto)",
     )
     model.add_argument(
         "--task",

@@ -177,23 +177,33 @@ def test_int4_obstacle_names_the_tensor_that_cannot_stay_4bit(tmp_path) -> None:
 
 @needs_smollm2
 def test_gguf_weights_resolve_to_quantized_only_where_the_kernel_runs(monkeypatch) -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cpu, cuda, bf16 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16
+
+    def resolve(gguf_weights, device=cpu, dtype=bf16, quantization=None, invariant=False, path=SMOLLM2):
+        load_format = "gguf" if path.endswith(".gguf") else "safetensors"
+        return resolve_gguf_weights(gguf_weights, path, load_format, device, dtype, quantization, invariant)
+
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert resolve_gguf_weights("auto", SMOLLM2, "gguf", cpu, None, False) == "quantized"
-    assert resolve_gguf_weights("dequantized", SMOLLM2, "gguf", cpu, None, False) == "dequantized"
-    for device, quantization, invariant in [(cuda, None, False), (cpu, "fp8", False), (cpu, None, True)]:
-        assert resolve_gguf_weights("auto", SMOLLM2, "gguf", device, quantization, invariant) == "dequantized"
+    assert resolve("auto") == "quantized"
+    assert resolve("dequantized") == "dequantized"
+    # float32 asks for float32 activations, which the kernel would round to bf16: only if asked.
+    assert resolve("auto", dtype=torch.float32) == "dequantized"
+    assert resolve("quantized", dtype=torch.float32) == "quantized"
+    for unfit in [{"device": cuda}, {"quantization": "fp8"}, {"invariant": True}, {"path": "/an/hf/dir"}]:
+        assert resolve("auto", **unfit) == "dequantized"
     with pytest.raises(
         ConfigError, match="gguf_weights 'quantized' runs torch's CPU int4 kernel, the device is 'cuda'"
     ):
-        resolve_gguf_weights("quantized", SMOLLM2, "gguf", cuda, None, False)
+        resolve("quantized", device=cuda)
     with pytest.raises(ConfigError, match="gguf_weights 'quantized' cannot combine with quantization 'fp8'"):
-        resolve_gguf_weights("quantized", SMOLLM2, "gguf", cpu, "fp8", False)
+        resolve("quantized", quantization="fp8")
+    with pytest.raises(ConfigError, match="gguf_weights 'quantized' is not batch-invariant"):
+        resolve("quantized", invariant=True)
     with pytest.raises(ConfigError, match="gguf_weights 'quantized' is for GGUF models"):
-        resolve_gguf_weights("quantized", "/some/hf/dir", "safetensors", cpu, None, False)
+        resolve("quantized", path="/an/hf/dir")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # runs, slower than float
-    assert resolve_gguf_weights("auto", SMOLLM2, "gguf", cpu, None, False) == "dequantized"
-    assert resolve_gguf_weights("quantized", SMOLLM2, "gguf", cpu, None, False) == "quantized"
+    assert resolve("auto") == "dequantized"
+    assert resolve("quantized") == "quantized"
     with pytest.raises(ConfigError, match="gguf_weights must be one of auto, quantized, dequantized, got 'int4'"):
         LLM(device="cpu", gguf_weights="int4")
 

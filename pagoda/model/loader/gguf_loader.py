@@ -148,11 +148,16 @@ def _tensor_bytes(data: np.memmap, tensor: GGUFTensorInfo, ggml_type: gguf.GGMLQ
     return np.asarray(data[tensor.offset : tensor.offset + num_bytes]).reshape(row_shape)
 
 
+def _is_linear_weight(gguf_name: str) -> bool:
+    """A linear layer's weight (blk.3.ffn_up.weight), not a norm's or a bias."""
+    block_part = _block_part(gguf_name)
+    return block_part is not None and block_part[1] in LINEAR_PARTS and gguf_name.endswith(".weight")
+
+
 def int4_obstacle(path: str) -> str | None:
     """Why the file's linear weights cannot all stay 4-bit for `Int4LinearMethod`; None: they can."""
     for tensor in read_gguf_file(path).tensors:
-        block_part = _block_part(tensor.name)
-        if block_part is None or block_part[1] not in LINEAR_PARTS or not tensor.name.endswith(".weight"):
+        if not _is_linear_weight(tensor.name):
             continue
         if tensor.ggml_type not in HAS_MIN:
             type_name = gguf.GGMLQuantizationType(tensor.ggml_type).name
@@ -180,7 +185,7 @@ def iter_gguf_weights(
         block_part = _block_part(tensor.name)
         heads = heads_of_permuted.get(block_part[1]) if block_part is not None else None
         name = hf_weight_name(tensor.name)
-        if int4_linears and block_part is not None and block_part[1] in LINEAR_PARTS and ggml_type in HAS_MIN:
+        if int4_linears and _is_linear_weight(tensor.name) and ggml_type in HAS_MIN:
             base = name.removesuffix(".weight")
             # Each row's blocks stay whole, so llama.cpp's Q/K row permutation undoes on them too.
             for suffix, part in zip(

@@ -58,12 +58,15 @@ def resolve_gguf_weights(
     model: str,
     load_format: str,
     device: torch.device,
+    dtype: torch.dtype,
     quantization: str | None,
     batch_invariant: bool,
 ) -> str:
-    """ "quantized" or "dequantized": how the GGUF's linear weights load. "auto" keeps them 4-bit
+    """How the GGUF's linear weights load, "quantized" or "dequantized". "auto" keeps them 4-bit
     where the int4 kernel can run them all (the CPU, Q4_0/Q4_1 weights, no other quantization,
-    no batch invariance), else dequantizes; "quantized" where it cannot is an error saying why."""
+    no batch invariance), fast (`INT4_FAST_CAPABILITIES`) and at no precision a bf16 model has
+    not given up already (its activations round to bf16; a float32 model's would only for these
+    layers), else dequantizes; "quantized" where the kernel cannot run is an error saying why."""
     if gguf_weights == "dequantized":
         return gguf_weights
     if load_format != "gguf":
@@ -71,12 +74,14 @@ def resolve_gguf_weights(
             raise ConfigError(f"gguf_weights 'quantized' is for GGUF models, this one loads as {load_format!r}")
         return "dequantized"
     reason = _why_not_int4(model, device, quantization, batch_invariant)
-    if reason is None:
-        fast = torch.backends.cpu.get_cpu_capability() in INT4_FAST_CAPABILITIES
-        return "quantized" if fast or gguf_weights == "quantized" else "dequantized"
+    if reason is not None:
+        if gguf_weights == "quantized":
+            raise ConfigError(f"gguf_weights 'quantized' {reason}: use gguf_weights='dequantized'")
+        return "dequantized"
     if gguf_weights == "quantized":
-        raise ConfigError(f"gguf_weights 'quantized' {reason}: use gguf_weights='dequantized'")
-    return "dequantized"
+        return gguf_weights
+    fast = torch.backends.cpu.get_cpu_capability() in INT4_FAST_CAPABILITIES
+    return "quantized" if fast and dtype == torch.bfloat16 else "dequantized"
 
 
 def _why_not_int4(model: str, device: torch.device, quantization: str | None, batch_invariant: bool) -> str | None:
