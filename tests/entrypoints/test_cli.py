@@ -42,6 +42,12 @@ def test_batch_invariant_flag_reaches_the_engine_and_the_benchmarks() -> None:
         assert parser.parse_args(["bench", kind, "--batch-invariant"]).batch_invariant
 
 
+def test_gguf_weights_flag_reaches_the_engine_only_when_given() -> None:
+    parser = build_parser()
+    assert engine_kwargs(parser.parse_args(["serve", "--gguf-weights", "dequantized"]))["gguf_weights"] == "dequantized"
+    assert "gguf_weights" not in engine_kwargs(parser.parse_args(["generate", "hi"]))
+
+
 def test_sampling_flags_over_model_defaults_over_cli_defaults() -> None:
     args = build_parser().parse_args(["generate", "hi", "--top-k", "5", "--stop", "a", "--stop", "b"])
     params = sampling_params(args, {"temperature": 0.6, "top_k": 20})
