@@ -6,7 +6,8 @@ multiplies a bf16 activation by the packed nibbles, dequantizing w = (q - 8) sca
 group and accumulating in float32, so only the scale and zero (bf16: GGUF's fp16 `d` loses 3
 mantissa bits) and the output round. At one token on the AVX-512 BF16 CPU, a 1536 x 576 layer
 took 26 us against 104 us for bf16 `F.linear` (one thread); from ~32 tokens bf16's GEMM is
-faster (495 us against 249), so a long prefill is slower than with dequantized weights.
+faster (495 us against 249). SmolLM2 on 2 cores: batch-1 decode ~1.5x faster, but a 32 x 64
+token prefill took 3.1 s against 1.6 s and batch-32 decoding ran ~0.85x (benchmarks/cpu_decode.py).
 
 Loading: `qweight` uint8 [N, K / 2] (column 2i in the low nibble, 2i + 1 in the high one) and
 float32 `weight_scale`, `weight_zero` [N, K / 32], sliced for tensor parallelism by the layer's
