@@ -260,6 +260,11 @@ class Worker:
         pool = self._sleep_pool()
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if level == 2 and self.config.model_config.gguf_weights == "quantized":
+            raise ValueError(
+                "sleep level 2 reloads the weights from the GGUF, which the int4 layers of gguf_weights "
+                "'quantized' cannot take in place (they hold packed weights): use level 1, or gguf_weights='dequantized'"
+            )
         awake = [tag for tag in SLEEP_TAGS if not pool.is_released(tag)]
         if not awake:
             raise RuntimeError("the worker is already asleep: call wake_up first")

@@ -244,3 +244,26 @@ def test_smollm2_quantized_greedy_matches_dequantized_and_holds_the_file_size() 
     file_bytes = os.path.getsize(SMOLLM2)
     assert quantized_bytes < 1.3 * file_bytes, (quantized_bytes, file_bytes)
     assert dequantized_bytes > 2.5 * file_bytes, (dequantized_bytes, file_bytes)
+
+
+@needs_smollm2
+def test_sleep_level_2_is_refused_with_quantized_weights() -> None:
+    """Level 2 would reload the GGUF into layers that now hold packed weights: refused up front;
+    level 1 (the weights kept in host memory) still works."""
+    llm = LLM(
+        device="cpu",
+        dtype="bfloat16",
+        max_model_len=64,
+        num_gpu_blocks=16,
+        enable_sleep_mode=True,
+        gguf_weights="quantized",
+    )
+    assert llm.llm_engine.config.model_config.gguf_weights == "quantized"
+    with pytest.raises(ValueError, match="sleep level 2 reloads the weights from the GGUF"):
+        llm.sleep(level=2)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    before = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids == before
+    llm.shutdown()
