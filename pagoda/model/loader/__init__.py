@@ -1,7 +1,8 @@
 """Model loading: resolve where the model comes from, read its config and tokenizer, build it.
 
-Sources: Hugging Face directories (config.json + safetensors), GGUF files (llama.cpp, weights
-dequantized), and dummy models (a published shape or an HF directory, random weights).
+Sources: Hugging Face directories (config.json + safetensors), GGUF files (llama.cpp; weights
+dequantized, or 4-bit linears kept 4-bit on the CPU: gguf_int4), and dummy models (a published
+shape or an HF directory, random weights).
 """
 
 from pagoda.model.loader.generation_config import load_sampling_defaults
