@@ -130,3 +130,21 @@ def test_tensor_parallel_outputs_never_depend_on_the_batch() -> None:
             llm, companions[:56] + probes + companions[56:], companion_params[:56] + params + companion_params[56:]
         )
         assert not mismatches(out[56:72], alone)
+
+
+def test_speculation_on_and_off_are_bit_identical() -> None:
+    """n-gram drafts verified k + 1 tokens at a time compute each position as its one-token decode
+    would, on the GPU too: the same token ids and logprobs with speculation on and off, 32 requests
+    at once (prompts that repeat a phrase, so the proposer drafts), through CUDA graphs and async
+    scheduling."""
+    rng = random.Random(5)
+    with engine("qwen3-0.6b", enable_prefix_caching=False) as llm:
+        vocab = llm.llm_engine.config.model_config.vocab_size
+        _, params = requests(32, seed=6, vocab=vocab)
+        prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 12))] * rng.randint(3, 6) for _ in range(32)]
+        plain = summaries(llm, prompts, params)
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    with engine("qwen3-0.6b", enable_prefix_caching=False, speculative_config=speculative) as llm:
+        assert not mismatches(summaries(llm, prompts, params), plain)
+        stats = llm.llm_engine.engine_core.scheduler.make_stats().spec_decoding
+        assert stats.num_verify_steps > 0 and stats.num_draft_tokens > 0
