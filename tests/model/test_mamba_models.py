@@ -33,7 +33,9 @@ _MAMBA = dict(vocab_size=256, hidden_size=64, tie_word_embeddings=False)
 # The gated RMSNorm normalizes each of the n_groups slices on its own (mamba_ssm, and
 # transformers since its norm took a group_size); older transformers (5.17 on the GPU machine)
 # normalize all groups at once, so there HF is a reference only for checkpoints of one group.
-N_GROUPS = 2 if "group_size" in inspect.signature(modeling_mamba2.MambaRMSNormGated.__init__).parameters else 1
+# (transformers 5.25 renamed the class Mamba2RMSNormGated.)
+_GATED_NORM = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
+N_GROUPS = 2 if "group_size" in inspect.signature(_GATED_NORM.__init__).parameters else 1
 CONFIGS = {
     "mamba2": Mamba2Config(
         **_MAMBA, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=N_GROUPS, chunk_size=8
