@@ -240,7 +240,9 @@ def test_smollm2_quantized_greedy_matches_dequantized_and_holds_the_file_size() 
         assert_greedy_match(ours, reference, steps, MIN_MARGIN)
         for ours, reference, steps in zip(quantized, dequantized, margins, strict=True)
     ]
-    assert sum(compared) >= 2 * NEW_TOKENS, compared  # measured: 47 of 80
+    # Steps compared before a bf16 near-tie (a tie is common: bf16 logits step by 1/8 near 20):
+    # 47 of 80 on an AVX-512 BF16 CPU, 28 on an AVX2 one, whose GEMMs round otherwise.
+    assert sum(compared) >= NEW_TOKENS, compared
     file_bytes = os.path.getsize(SMOLLM2)
     assert quantized_bytes < 1.3 * file_bytes, (quantized_bytes, file_bytes)
     assert dequantized_bytes > 2.5 * file_bytes, (dequantized_bytes, file_bytes)
