@@ -4,6 +4,7 @@ caches built by hand, without the model runner."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
@@ -198,10 +199,13 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
     tokens: list[int] = []
     margins: list[float] = []
     past = None
+    # transformers 5.25 renamed the argument and output `past_key_values` to `cache` (the old
+    # name warns, to go in 5.40); the GPU machine's 5.17 knows only the old one.
+    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     input_ids = torch.tensor([prompt_ids])
     for _ in range(max_new_tokens):
-        out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=input_ids, use_cache=True, **{cache_name: past})
+        past = getattr(out, cache_name)
         top2 = out.logits[0, -1].float().topk(2)
         margins.append(float(top2.values[0] - top2.values[1]))
         tokens.append(int(top2.indices[0]))
