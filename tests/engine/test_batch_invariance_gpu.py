@@ -81,7 +81,9 @@ def mismatches(got: list[Summary], expected: list[Summary]) -> list[int]:
     return [i for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e]
 
 
-@pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3.1-8b"])
+# The 8B engine (16 GB of weights and its graphs) runs in the serial pass: beside seven other
+# test processes on an 80 GB card it leaves them no room.
+@pytest.mark.parametrize("model", ["qwen3-0.6b", pytest.param("llama-3.1-8b", marks=pytest.mark.serial)])
 def test_outputs_never_depend_on_the_batch(model: str) -> None:
     rng = random.Random(0)
     with engine(model, enable_prefix_caching=False, max_num_batched_tokens=512) as llm:

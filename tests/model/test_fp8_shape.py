@@ -99,6 +99,7 @@ def test_fp8_llama_shape_cut_on_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.serial  # a whole 8B model in bf16 and its FP8 copy: not beside other test processes
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp8_llama_3_1_8b_shape_on_gpu():
     rel, agreement = _compare(None, torch.device("cuda"), "triton")
