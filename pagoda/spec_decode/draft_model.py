@@ -112,9 +112,11 @@ class DraftModelProposer:
         return sorted({groups[layer.layer_name] for layer in self.layers})
 
     def _context(self, num_rows: int) -> ForwardContext:
-        """The one-token steps' forward context over `num_rows` (padded) rows of the static buffers."""
+        """The one-token steps' forward context over `num_rows` (padded) rows of the static buffers.
+        A backend that plans on the host (the torch reference) plans from the values at build:
+        its context is built anew for each step."""
         context = self._contexts.get(num_rows)
-        if context is not None and context.kv_caches is self.runner.kv_caches:
+        if context is not None and context.kv_caches is self.runner.kv_caches and not self.host_plans:
             return context
         runner = self.runner
         batch = runner.input_batch
@@ -231,7 +233,6 @@ class DraftModelProposer:
         padded = self._padded_rows(num_rows)
         positions, seq_lens, slots = self._stage(inputs, num_emitted, padded, num_steps)
         host_seq_lens = seq_lens.cpu() if self.host_plans else None
-        context = self._context(padded)
         key = BatchDescriptor(padded, True)
         for step in range(num_steps):
             self.positions[:padded].copy_(positions[step])
@@ -243,7 +244,7 @@ class DraftModelProposer:
             if self.graphs is not None and key in self.graphs.graphs:
                 hidden_states = self.graphs.replay(key)
             else:
-                hidden_states = self._step_forward(padded, context)
+                hidden_states = self._step_forward(padded, self._context(padded))
             sampled = settings.draw(self.model.compute_logits(hidden_states[:num_rows]), first + step)
             drafts[:, first + step] = sampled
             self.input_ids[:num_rows] = sampled

@@ -92,7 +92,9 @@ class AttentionLayerImpl(abc.ABC):
 
 class AttentionMetadataBuilder(Protocol):
     def build(self, common: AttentionMetadata) -> AttentionMetadata:
-        """The metadata of one group's layers for this step (views of static buffers only)."""
+        """The metadata of one group's layers for this step: views of static buffers only, except
+        where the backend plans on the host (cudagraph_support below ALWAYS): that plan reads the
+        step's values at build, so a caller whose values change builds again."""
         ...
 
 

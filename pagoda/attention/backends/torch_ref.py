@@ -11,10 +11,16 @@ scores with cap * tanh(score / cap) before the softmax.
 Cascade (metadata.cascade set): each prefix group's queries attend once over its shared prefix
 (gathered from the leader's blocks), each request over its own keys after the prefix, and the two
 softmaxes merge by their log-sum-exps: the definition the Triton cascade kernels are checked by.
+
+The builder plans each step once for all the group's layers (`plan_step`): which tokens write
+where, the one-token rows' tokens, block ids and key mask, the longer rows' spans. Per layer
+that leaves the writes, the gathers and the attention itself: on the CPU, where each small
+operator costs microseconds, the bookkeeping had cost more than the attention of a decode step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -35,17 +41,36 @@ def write_kv_cache(
     """Store each token's K/V at its slot; slots < 0 (padding) write nowhere. A float8 cache
     stores K / k_scale and V / v_scale, saturated to e4m3's range. `index_copy_`, not indexed
     assignment: on the CPU the latter took ~10-100x longer for a step's few rows."""
-    slots = slot_mapping[: key.shape[0]]
-    valid = torch.nonzero(slots >= 0).flatten()
-    idx = slots[valid]
+    tokens, slots = _written_tokens(slot_mapping[: key.shape[0]])
+    _write_rows(key, value, kv_cache, tokens, slots, kv_scales)
+
+
+def _written_tokens(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the tokens that write, as int64 indices, or None for every one; their slots)."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return None, slot_mapping.long()
+    tokens = torch.nonzero(valid).flatten()
+    return tokens, slot_mapping[tokens].long()
+
+
+def _write_rows(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    tokens: torch.Tensor | None,
+    slots: torch.Tensor,
+    kv_scales: tuple[float, float],
+) -> None:
     num_kv_heads, head_size = kv_cache.shape[-2:]
     if is_fp8_kv_cache(kv_cache):
         fp8_max = torch.finfo(kv_cache.dtype).max
         key = (key.float() / kv_scales[0]).clamp(-fp8_max, fp8_max)
         value = (value.float() / kv_scales[1]).clamp(-fp8_max, fp8_max)
     for cache, rows in ((kv_cache[0], key), (kv_cache[1], value)):
+        rows = rows[: len(slots)] if tokens is None else rows[tokens]
         slots_view = _copyable(cache).view(-1, num_kv_heads * head_size)
-        slots_view.index_copy_(0, idx, _copyable(rows[valid].to(kv_cache.dtype)).reshape(-1, num_kv_heads * head_size))
+        slots_view.index_copy_(0, slots, _copyable(rows.to(kv_cache.dtype)).reshape(-1, num_kv_heads * head_size))
 
 
 def _copyable(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,17 +84,88 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
     blocks]` (mixed basic and advanced indexing) took ~6x longer for the same bytes, and int32
     ids or the 4-D block shape another ~3-8x (a strided copy per element instead of one per row)."""
     num_blocks = -(num_tokens // -kv_cache.shape[2])
-    blocks = block_table[:, :num_blocks]
-    shape = (*blocks.shape, *kv_cache.shape[2:])
-    flat = blocks.flatten().long()
+    return _gather_blocks(kv_cache, block_table[:, :num_blocks].flatten().long(), num_blocks, num_tokens)
+
+
+def _gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, num_blocks: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gather_kv` from the rows' first `num_blocks` block ids, flattened to int64."""
+    shape = (-1, num_blocks, *kv_cache.shape[2:])
     k, v = (
-        torch.index_select(_copyable(cache).flatten(1), 0, flat)
+        torch.index_select(_copyable(cache).flatten(1), 0, block_ids)
         .view(cache.dtype)
         .view(shape)
         .flatten(1, 2)[:, :num_tokens]
         for cache in (kv_cache[0], kv_cache[1])
     )
     return k, v
+
+
+def causal_key_mask(seq_lens: torch.Tensor, q_len: int, num_keys: int) -> torch.Tensor:
+    """[B, q_len, num_keys] bool: the last q_len positions of each row see the keys at or
+    before their own (so none at or past the row's seq_len)."""
+    q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=seq_lens.device)
+    return torch.arange(num_keys, device=seq_lens.device)[None, None, :] <= q_pos[:, :, None]
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The step's one-token rows, planned once for every layer of the group."""
+
+    # [rows] int64: their tokens in the flat batch; None when they are the batch's first tokens in order.
+    token_index: torch.Tensor | None
+    # [rows * num_blocks] int64: each row's first num_blocks block ids.
+    block_ids: torch.Tensor
+    num_blocks: int
+    num_keys: int  # the longest row's keys
+    seq_lens: torch.Tensor  # [rows] int32
+    key_mask: torch.Tensor  # [rows, 1, num_keys] bool: `causal_key_mask`
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """The common metadata plus the step's plan (`plan_step`)."""
+
+    # Tokens that write K/V (int64, None: every token) and their slots (int64).
+    write_tokens: torch.Tensor | None = None
+    write_slots: torch.Tensor | None = None
+    decode: DecodeRows | None = None
+    # (row, first token, end token, seq_len) of each row with more than one query token.
+    long_rows: tuple[tuple[int, int, int, int], ...] = ()
+
+
+def plan_step(common: AttentionMetadata) -> TorchAttentionMetadata:
+    """One step's plan from the common metadata's host lengths (see the module docstring)."""
+    fields = {name: getattr(common, name) for name in AttentionMetadata.__dataclass_fields__}
+    write_tokens, write_slots = _written_tokens(common.slot_mapping)
+    starts = common.query_start_loc_cpu[: common.num_reqs + 1]
+    query_lens = starts[1:] - starts[:-1]
+    seq_lens = common.seq_lens_cpu[: common.num_reqs]
+    device = common.block_table.device
+    decode = None
+    decode_rows = torch.nonzero(query_lens == 1).flatten()
+    if len(decode_rows):
+        token_index = starts[decode_rows]
+        in_order = bool(token_index[0] == 0) and bool(token_index[-1] == len(decode_rows) - 1)
+        row_seq_lens = seq_lens[decode_rows].to(device)
+        num_keys = int(seq_lens[decode_rows].max())
+        num_blocks = -(num_keys // -common.block_size)
+        decode = DecodeRows(
+            token_index=None if in_order else token_index.long().to(device),
+            block_ids=common.block_table[decode_rows.to(device), :num_blocks].flatten().long(),
+            num_blocks=num_blocks,
+            num_keys=num_keys,
+            seq_lens=row_seq_lens,
+            key_mask=causal_key_mask(row_seq_lens, 1, num_keys),
+        )
+    long_rows = tuple(
+        (row, int(starts[row]), int(starts[row + 1]), int(seq_lens[row]))
+        for row in torch.nonzero(query_lens > 1).flatten().tolist()
+    )
+    return TorchAttentionMetadata(
+        **fields, write_tokens=write_tokens, write_slots=write_slots, decode=decode, long_rows=long_rows
+    )
 
 
 class TorchAttentionImpl(AttentionLayerImpl):
@@ -85,32 +181,48 @@ class TorchAttentionImpl(AttentionLayerImpl):
 
         Returns [T, H, D]; rows past the real tokens (padding) are zero.
         """
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, self.kv_scales)
+        if not isinstance(metadata, TorchAttentionMetadata):
+            metadata = plan_step(metadata)
+        assert metadata.write_slots is not None
+        _write_rows(key, value, kv_cache, metadata.write_tokens, metadata.write_slots, self.kv_scales)
         if metadata.cascade is not None:
             return self._cascade_forward(query, kv_cache, metadata)
-        out = torch.zeros_like(query)
-        starts = metadata.query_start_loc_cpu[: metadata.num_reqs + 1]
-        query_lens = starts[1:] - starts[:-1]
-        seq_lens = metadata.seq_lens_cpu[: metadata.num_reqs]
-        decode_rows = torch.nonzero(query_lens == 1).flatten()
-        if len(decode_rows):
-            token_index = starts[decode_rows].to(query.device)
-            row_seq_lens = seq_lens[decode_rows]
-            k, v = self._gather_kv(
-                kv_cache, query.dtype, metadata.block_table[decode_rows.to(query.device)], int(row_seq_lens.max())
+        decode = metadata.decode
+        if decode is not None and decode.token_index is None and not metadata.long_rows:
+            # Every row decodes, in token order: the batch is the attention's own.
+            out = self._attend_decode(query[: len(decode.seq_lens)], kv_cache, decode)
+            return (
+                out
+                if len(out) == len(query)
+                else torch.cat([out, query.new_zeros(len(query) - len(out), *out.shape[1:])])
             )
-            out[token_index] = self._attend(query[token_index][:, None], k, v, row_seq_lens)[:, 0]
-        for row in torch.nonzero(query_lens > 1).flatten().tolist():
-            q_start, q_end, seq_len = int(starts[row]), int(starts[row + 1]), int(seq_lens[row])
+        out = torch.zeros_like(query)
+        if decode is not None:
+            rows = slice(0, len(decode.seq_lens)) if decode.token_index is None else decode.token_index
+            out[rows] = self._attend_decode(query[rows], kv_cache, decode)
+        for row, q_start, q_end, seq_len in metadata.long_rows:
             k, v = self._gather_kv(kv_cache, query.dtype, metadata.block_table[row : row + 1], seq_len)
-            out[q_start:q_end] = self._attend(query[q_start:q_end][None], k, v, seq_lens[row : row + 1])[0]
+            seq_lens = metadata.seq_lens_cpu[row : row + 1]
+            out[q_start:q_end] = self._attend(query[q_start:q_end][None], k, v, seq_lens)[0]
         return out
+
+    def _attend_decode(self, query: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeRows) -> torch.Tensor:
+        """The one-token rows' attention from their plan: query [rows, H, D] -> [rows, H, D]."""
+        k, v = self._dequantize(
+            kv_cache, query.dtype, *_gather_blocks(kv_cache, decode.block_ids, decode.num_blocks, decode.num_keys)
+        )
+        return self._attend(query[:, None], k, v, decode.seq_lens, decode.key_mask)[:, 0]
 
     def _gather_kv(
         self, kv_cache: torch.Tensor, dtype: torch.dtype, block_table: torch.Tensor, num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`gather_kv`, a float8 cache's K and V multiplied back by their scales, in `dtype`."""
-        k, v = gather_kv(kv_cache, block_table, num_tokens)
+        return self._dequantize(kv_cache, dtype, *gather_kv(kv_cache, block_table, num_tokens))
+
+    def _dequantize(
+        self, kv_cache: torch.Tensor, dtype: torch.dtype, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V read from `kv_cache`, multiplied back by their scales if it is float8, in `dtype`."""
         if not is_fp8_kv_cache(kv_cache):
             return k, v
         return (k.float() * self.kv_scales[0]).to(dtype), (v.float() * self.kv_scales[1]).to(dtype)
@@ -182,10 +294,18 @@ class TorchAttentionImpl(AttentionLayerImpl):
         o = torch.einsum("bqkgl,blkd->bqkgd", torch.exp(scores - lse[..., None]), values)
         return o.reshape(batch, q_len, num_heads, head_size).to(q.dtype), lse.reshape(batch, q_len, num_heads)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_lens: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Causal attention of the last q_len positions of each row over its seq_len keys.
 
-        q [B, q_len, H, D], k/v [B, L, Hkv, D] (L >= every seq_len) -> [B, q_len, H, D].
+        q [B, q_len, H, D], k/v [B, L, Hkv, D] (L >= every seq_len) -> [B, q_len, H, D];
+        `key_mask`, when planned, is `causal_key_mask(seq_lens, q_len, L)`.
         """
         batch, q_len, num_heads, head_size = q.shape
         num_kv_heads, kv_len = k.shape[2], k.shape[1]
@@ -197,11 +317,11 @@ class TorchAttentionImpl(AttentionLayerImpl):
             .reshape(batch, num_kv_heads, group * q_len, head_size)
         )
         seq_lens = seq_lens.to(q.device)
-        q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)  # [B, q_len]
-        kv_pos = torch.arange(kv_len, device=q.device)
-        mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [B, q_len, L]; also masks kv_pos >= seq_len
+        mask = causal_key_mask(seq_lens, q_len, kv_len) if key_mask is None else key_mask  # [B, q_len, L]
         if self.sliding_window:
-            mask &= kv_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+            q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)
+            kv_pos = torch.arange(kv_len, device=q.device)
+            mask = mask & (kv_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window)
             # Keys before every query's window may sit in blocks handed to another request.
             seen = mask.any(1)[:, :, None, None]  # [B, L, 1, 1]
             k, v = torch.where(seen, k, 0), torch.where(seen, v, 0)
@@ -222,13 +342,13 @@ class TorchAttentionImpl(AttentionLayerImpl):
 
 
 class TorchMetadataBuilder:
-    """The reference reads the common metadata as it is (host copies included)."""
+    """The reference plans each step on the host, from the common metadata's CPU copies."""
 
     def __init__(self, spec: AttentionSpec, limits: AttentionLimits, device: torch.device) -> None:
         self.spec = spec
 
-    def build(self, common: AttentionMetadata) -> AttentionMetadata:
-        return common
+    def build(self, common: AttentionMetadata) -> TorchAttentionMetadata:
+        return plan_step(common)
 
 
 class TorchAttentionBackend(AttentionBackend):
