@@ -146,10 +146,10 @@ def plan_step(common: AttentionMetadata) -> TorchAttentionMetadata:
     decode = None
     decode_rows = torch.nonzero(query_lens == 1).flatten()
     if len(decode_rows):
-        token_index = starts[decode_rows]
+        token_index, host_seq_lens = starts[decode_rows], seq_lens[decode_rows]
         in_order = bool(token_index[0] == 0) and bool(token_index[-1] == len(decode_rows) - 1)
-        row_seq_lens = seq_lens[decode_rows].to(device)
-        num_keys = int(seq_lens[decode_rows].max())
+        row_seq_lens = host_seq_lens.to(device)
+        num_keys = int(host_seq_lens.max())
         num_blocks = -(num_keys // -common.block_size)
         decode = DecodeRows(
             token_index=None if in_order else token_index.long().to(device),
@@ -188,14 +188,8 @@ class TorchAttentionImpl(AttentionLayerImpl):
         if metadata.cascade is not None:
             return self._cascade_forward(query, kv_cache, metadata)
         decode = metadata.decode
-        if decode is not None and decode.token_index is None and not metadata.long_rows:
-            # Every row decodes, in token order: the batch is the attention's own.
-            out = self._attend_decode(query[: len(decode.seq_lens)], kv_cache, decode)
-            return (
-                out
-                if len(out) == len(query)
-                else torch.cat([out, query.new_zeros(len(query) - len(out), *out.shape[1:])])
-            )
+        if decode is not None and decode.token_index is None and len(decode.seq_lens) == len(query):
+            return self._attend_decode(query, kv_cache, decode)  # every token a one-token row, in order
         out = torch.zeros_like(query)
         if decode is not None:
             rows = slice(0, len(decode.seq_lens)) if decode.token_index is None else decode.token_index
