@@ -121,6 +121,7 @@ class DecodeRows:
     num_keys: int  # the longest row's keys
     seq_lens: torch.Tensor  # [rows] int32
     key_mask: torch.Tensor  # [rows, 1, num_keys] bool: `causal_key_mask`
+    ragged: bool  # some row has fewer than num_keys keys
 
 
 @dataclass
@@ -158,6 +159,7 @@ def plan_step(common: AttentionMetadata) -> TorchAttentionMetadata:
             num_keys=num_keys,
             seq_lens=row_seq_lens,
             key_mask=causal_key_mask(row_seq_lens, 1, num_keys),
+            ragged=bool(host_seq_lens.min() < num_keys),
         )
     long_rows = tuple(
         (row, int(starts[row]), int(starts[row + 1]), int(seq_lens[row]))
@@ -205,7 +207,7 @@ class TorchAttentionImpl(AttentionLayerImpl):
         k, v = self._dequantize(
             kv_cache, query.dtype, *_gather_blocks(kv_cache, decode.block_ids, decode.num_blocks, decode.num_keys)
         )
-        return self._attend(query[:, None], k, v, decode.seq_lens, decode.key_mask)[:, 0]
+        return self._attend(query[:, None], k, v, decode.seq_lens, decode.key_mask, decode.ragged)[:, 0]
 
     def _gather_kv(
         self, kv_cache: torch.Tensor, dtype: torch.dtype, block_table: torch.Tensor, num_tokens: int
@@ -295,11 +297,13 @@ class TorchAttentionImpl(AttentionLayerImpl):
         v: torch.Tensor,
         seq_lens: torch.Tensor,
         key_mask: torch.Tensor | None = None,
+        ragged: bool = False,
     ) -> torch.Tensor:
         """Causal attention of the last q_len positions of each row over its seq_len keys.
 
         q [B, q_len, H, D], k/v [B, L, Hkv, D] (L >= every seq_len) -> [B, q_len, H, D];
-        `key_mask`, when planned, is `causal_key_mask(seq_lens, q_len, L)`.
+        `key_mask`, when planned, is `causal_key_mask(seq_lens, q_len, L)`. `ragged`: some row
+        is shorter than L, so its keys past its length were read from blocks not its own.
         """
         batch, q_len, num_heads, head_size = q.shape
         num_kv_heads, kv_len = k.shape[2], k.shape[1]
@@ -316,7 +320,9 @@ class TorchAttentionImpl(AttentionLayerImpl):
             q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)
             kv_pos = torch.arange(kv_len, device=q.device)
             mask = mask & (kv_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window)
-            # Keys before every query's window may sit in blocks handed to another request.
+        if self.sliding_window or ragged:
+            # Keys no query sees (before every window, past a short row's length) may be another
+            # request's or never written: zeroed, so a non-finite one cannot reach the output.
             seen = mask.any(1)[:, :, None, None]  # [B, L, 1, 1]
             k, v = torch.where(seen, k, 0), torch.where(seen, v, 0)
         # [B, 1, group * q_len, L]; one query position broadcasts its row over the group (no copy).
