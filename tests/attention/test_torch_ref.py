@@ -33,7 +33,7 @@ def common_metadata(batch: PagedBatch, num_pad_tokens: int) -> tuple[AttentionMe
     for row in range(meta.num_reqs):
         for pos in range(seq_lens[row] - (starts[row + 1] - starts[row]), seq_lens[row]):
             slots.append(int(meta.block_table[row, pos // block_size]) * block_size + pos % block_size)
-    slot_mapping = torch.tensor(slots + [-1] * num_pad_tokens, dtype=torch.int64)
+    slot_mapping = torch.tensor(slots + [-1] * num_pad_tokens, dtype=torch.int64, device=batch.query.device)
     common = AttentionMetadata(
         num_reqs=meta.num_reqs,
         num_actual_tokens=batch.num_actual_tokens,
@@ -44,8 +44,8 @@ def common_metadata(batch: PagedBatch, num_pad_tokens: int) -> tuple[AttentionMe
         seq_lens=meta.seq_lens,
         block_table=meta.block_table,
         slot_mapping=slot_mapping,
-        query_start_loc_cpu=meta.query_start_loc.clone(),
-        seq_lens_cpu=meta.seq_lens.clone(),
+        query_start_loc_cpu=meta.query_start_loc.cpu(),
+        seq_lens_cpu=meta.seq_lens.cpu(),
     )
     return common, slot_mapping[: batch.num_actual_tokens]
 
@@ -63,12 +63,12 @@ def test_planned_steps_match_dense_attention(name: str, padded: bool, window: in
     common, slots = common_metadata(batch, pad_tokens)
     num_kv_heads, head_size = batch.kv_cache.shape[-2:]
     spec = FullAttentionSpec(block_size=4, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.float32)
-    builder = TorchMetadataBuilder(spec, AttentionLimits(batch.query.shape[1], 8, 64), torch.device("cpu"))
+    builder = TorchMetadataBuilder(spec, AttentionLimits(batch.query.shape[1], 8, 64), batch.query.device)
     metadata = builder.build(common)
     assert metadata.decode is None or (metadata.decode.token_index is None) == (name == "decode")
     num_tokens = len(batch.query)
-    key = torch.randn(num_tokens, num_kv_heads, head_size)
-    value = torch.randn(num_tokens, num_kv_heads, head_size)
+    key = torch.randn(num_tokens, num_kv_heads, head_size, device=batch.query.device)
+    value = torch.randn(num_tokens, num_kv_heads, head_size, device=batch.query.device)
     poisoned = batch.kv_cache.clone()
     impl = TorchAttentionImpl(batch.query.shape[1], head_size, num_kv_heads, batch.scale, window, soft_cap)
     out = impl.forward(batch.query, key, value, batch.kv_cache, metadata)
@@ -77,12 +77,12 @@ def test_planned_steps_match_dense_attention(name: str, padded: bool, window: in
     k_flat, v_flat = (c.flatten(0, 1) for c in batch.kv_cache)
     torch.testing.assert_close(k_flat[slots], key[: len(slots)], rtol=0, atol=0)
     torch.testing.assert_close(v_flat[slots], value[: len(slots)], rtol=0, atol=0)
-    untouched = torch.ones(len(k_flat), dtype=torch.bool)
+    untouched = torch.ones(len(k_flat), dtype=torch.bool, device=k_flat.device)
     untouched[slots] = False
     assert torch.equal(k_flat[untouched].isnan(), poisoned[0].flatten(0, 1)[untouched].isnan())
 
     real = batch.num_actual_tokens
-    torch.testing.assert_close(out[:real], dense_reference(batch, window, soft_cap).float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[:real].cpu(), dense_reference(batch, window, soft_cap).float(), atol=1e-5, rtol=1e-5)
     assert not out[real:].any(), "padded tokens' rows must be zero"
 
 
@@ -93,7 +93,7 @@ def test_a_plan_and_the_common_metadata_give_the_same_bits():
     common, _ = common_metadata(batch, 2)
     num_kv_heads, head_size = batch.kv_cache.shape[-2:]
     impl = TorchAttentionImpl(batch.query.shape[1], head_size, num_kv_heads, batch.scale)
-    key = torch.randn(len(batch.query), num_kv_heads, head_size)
+    key = torch.randn(len(batch.query), num_kv_heads, head_size, device=batch.query.device)
     cache = batch.kv_cache.clone()
     planned = impl.forward(batch.query, key, key, batch.kv_cache, plan_step(common))
     assert torch.equal(planned, impl.forward(batch.query, key, key, cache, common))
