@@ -102,11 +102,24 @@ def _gather_blocks(
     return k, v
 
 
+def _query_key_positions(seq_lens: torch.Tensor, q_len: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, q_len, 1] the positions of each row's last q_len tokens, [1, 1, num_keys] the keys')."""
+    device = seq_lens.device
+    q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=device)
+    return q_pos[:, :, None], torch.arange(num_keys, device=device)[None, None, :]
+
+
 def causal_key_mask(seq_lens: torch.Tensor, q_len: int, num_keys: int) -> torch.Tensor:
     """[B, q_len, num_keys] bool: the last q_len positions of each row see the keys at or
     before their own (so none at or past the row's seq_len)."""
-    q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=seq_lens.device)
-    return torch.arange(num_keys, device=seq_lens.device)[None, None, :] <= q_pos[:, :, None]
+    q_pos, kv_pos = _query_key_positions(seq_lens, q_len, num_keys)
+    return kv_pos <= q_pos
+
+
+def window_key_mask(seq_lens: torch.Tensor, q_len: int, num_keys: int, window: int) -> torch.Tensor:
+    """[B, q_len, num_keys] bool: the keys within `window` positions of each query (itself included)."""
+    q_pos, kv_pos = _query_key_positions(seq_lens, q_len, num_keys)
+    return kv_pos > q_pos - window
 
 
 @dataclass(frozen=True)
@@ -270,12 +283,10 @@ class TorchAttentionImpl(AttentionLayerImpl):
         num_kv_heads, kv_len = k.shape[2], k.shape[1]
         group = num_heads // num_kv_heads
         seq_lens = seq_lens.to(q.device)
-        kv_pos = torch.arange(kv_len, device=q.device)
         if causal:
-            q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)
-            mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos >= key_start)
+            mask = causal_key_mask(seq_lens, q_len, kv_len) & (torch.arange(kv_len, device=q.device) >= key_start)
             if self.sliding_window:
-                mask &= kv_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+                mask &= window_key_mask(seq_lens, q_len, kv_len, self.sliding_window)
         else:
             mask = torch.ones(batch, q_len, kv_len, dtype=torch.bool, device=q.device)
         # [B, q_len, Hkv, group, L]: query head h = kv_head * group + g reads KV head kv_head.
@@ -317,9 +328,7 @@ class TorchAttentionImpl(AttentionLayerImpl):
         seq_lens = seq_lens.to(q.device)
         mask = causal_key_mask(seq_lens, q_len, kv_len) if key_mask is None else key_mask  # [B, q_len, L]
         if self.sliding_window:
-            q_pos = seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)
-            kv_pos = torch.arange(kv_len, device=q.device)
-            mask = mask & (kv_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window)
+            mask = mask & window_key_mask(seq_lens, q_len, kv_len, self.sliding_window)
         if self.sliding_window or ragged:
             # Keys no query sees (before every window, past a short row's length) may be another
             # request's or never written: zeroed, so a non-finite one cannot reach the output.
