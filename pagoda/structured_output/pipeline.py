@@ -184,6 +184,14 @@ class GrammarPipeline:
         )
         # The last sampler's read of the device buffers (the next copy overwrites them after it).
         self._applied = torch.cuda.Event() if cuda else None
+        if self._stream is not None:
+            # The device buffers were zeroed on the step loop's stream, maybe behind a queued
+            # forward (the pipeline is made with the first grammar), in memory that stream's
+            # queued kernels may still use: the first copy, on the side stream, waits for them.
+            # Freed, the memory waits for the side stream's copies too.
+            assert self._applied is not None and self._device is not None
+            self._applied.record()
+            self._device.tensor.record_stream(self._stream)
 
     # ---- the thread -----------------------------------------------------------------------
 

@@ -211,6 +211,17 @@ def test_a_buffer_is_written_only_once_its_last_copy_is_done(backend, pipeline, 
     assert {buffer for buffer, _ in writes} == {0, 1}
 
 
+def read_on_the_loop_stream(bitmask: TokenBitmask) -> TokenBitmask:
+    """A device bitmask copied to the host as the sampler reads it: on the current stream, after
+    `ready`, then `applied` recorded."""
+    stream = torch.cuda.current_stream()
+    stream.wait_event(bitmask.ready)
+    word_rows = None if bitmask.word_rows is None else bitmask.word_rows.cpu()
+    on_host = TokenBitmask(bitmask.rows.cpu(), bitmask.words.cpu(), word_rows)
+    bitmask.applied.record(stream)
+    return on_host
+
+
 @pytest.mark.gpu
 def test_the_device_copy_carries_the_staged_pairs_and_masks(backend) -> None:
     """On CUDA, one copy on the side stream: once `ready`, the device's pairs and masks are each
@@ -220,16 +231,26 @@ def test_the_device_copy_carries_the_staged_pairs_and_masks(backend) -> None:
     for step in range(6):
         bitmask = pipeline.masks([MaskRequest(state, 2 * i) for i, state in enumerate(states)])
         assert bitmask.words.is_cuda and bitmask.rows.is_cuda
-        stream = torch.cuda.current_stream()
-        stream.wait_event(bitmask.ready)
-        on_host = TokenBitmask(
-            bitmask.rows.cpu(), bitmask.words.cpu(), None if bitmask.word_rows is None else bitmask.word_rows.cpu()
-        )
-        bitmask.applied.record(stream)
-        allowed_by_row = entries(on_host)
+        allowed_by_row = entries(read_on_the_loop_stream(bitmask))
         assert allowed_by_row == {2 * i: allowed(state) for i, state in enumerate(states)}
         ids = np.array([[sorted(allowed_by_row[2 * i])[(step + i) % 5]] for i in range(3)])
         pipeline.advance([SampledGrammarRow(state, i, step) for i, state in enumerate(states)], lambda ids=ids: ids)
     pipeline.join()
     pipeline.shutdown()
     assert not any(state.failed for state in states)
+
+
+@pytest.mark.gpu
+def test_a_pipeline_made_behind_a_queued_forward_sends_its_first_masks_after_the_zeroing(backend) -> None:
+    """The runner makes the pipeline with the first grammar, after that step's forward is
+    queued: the device buffers' zeroing waits behind the forward on the loop's stream. The first
+    copy, on the side stream, must wait for it, or the zeroing lands after the copy and the
+    sampler reads all-zero masks (every token refused: token 0 sampled, the grammar dropped;
+    seen under a loaded GPU, 2026-12-07)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # a forward still running: ~0.1 s of the loop's stream
+    pipeline = GrammarPipeline(max_rows=16, mask_vocab_size=VOCAB, device=torch.device("cuda"), batch=GrammarBatch(1))
+    states = [state_of(backend, ALTERNATING) for _ in range(3)]
+    bitmask = pipeline.masks([MaskRequest(state, i) for i, state in enumerate(states)])
+    assert entries(read_on_the_loop_stream(bitmask)) == {i: allowed(state) for i, state in enumerate(states)}
+    pipeline.shutdown()
