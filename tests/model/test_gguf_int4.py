@@ -1,5 +1,6 @@
 """GGUF's Q4_0/Q4_1 linear weights kept 4-bit on the CPU (`gguf_weights="quantized"`).
 
+- Q4_0, Q4_1 and Q8_0 dequantized in torch are `gguf.quants.dequantize`'s values bit for bit.
 - The blocks rewritten as int4 groups dequantize to what `gguf.quants.dequantize` gives, within
   float32 rounding (Q4_1's zero m + 8 d is one float32 addition).
 - The linear layers (plain, merged gate/up, row-parallel, tensor-parallel slices) multiply as
@@ -28,7 +29,7 @@ from pagoda.model.layers.linear import ColumnParallelLinear, MergedColumnParalle
 from pagoda.model.layers.quantization.base import building_with
 from pagoda.model.layers.quantization.config import resolve_gguf_weights
 from pagoda.model.layers.quantization.int4 import GROUP_SIZE, Int4Config, unpack_nibbles
-from pagoda.model.loader.gguf_int4 import int4_groups
+from pagoda.model.loader.gguf_int4 import dequantize, int4_groups
 from pagoda.model.loader.gguf_loader import int4_obstacle
 
 Q4_TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
@@ -68,6 +69,14 @@ def test_int4_groups_dequantize_as_gguf_does(qtype) -> None:
     assert (qweight.shape, scale.shape, zero.shape) == ((48, 64), (48, 4), (48, 4))
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
     torch.testing.assert_close(_dequantize_groups(qweight, scale, zero), expected, rtol=2e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype", [*Q4_TYPES, gguf.GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
+def test_torch_dequantize_is_gguf_s_bit_for_bit(qtype) -> None:
+    blocks = _q4_blocks(48, 128, qtype, seed=2)
+    blocks.flags.writeable = False  # as the file's read-only map gives them
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+    assert torch.equal(dequantize(blocks, qtype), expected)
 
 
 def _layer_with(layer_class: type, *args: object, loads: dict[object, np.ndarray], qtype) -> torch.nn.Module:

@@ -1,6 +1,7 @@
 """GGUF (llama.cpp) files: the HF config built from the metadata (read by `gguf_file`), and
-the tensors renamed to HF names, dequantized with the `gguf` package or, for 4-bit linear
-weights loaded quantized, rewritten as int4 groups (`gguf_int4`).
+the tensors renamed to HF names, dequantized (Q4_0, Q4_1 and Q8_0 in torch by `gguf_int4`, the
+other types by the `gguf` package) or, for 4-bit linear weights loaded quantized, rewritten as
+int4 groups (`gguf_int4`).
 
 The only module that imports `gguf`; it is imported only when a GGUF model is loaded.
 """
@@ -19,7 +20,7 @@ from transformers import AutoConfig, PretrainedConfig
 from pagoda.config import ConfigError
 from pagoda.model.layers.quantization.int4 import ROWS_MULTIPLE
 from pagoda.model.loader.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf_file
-from pagoda.model.loader.gguf_int4 import HAS_MIN, LINEAR_PARTS, int4_groups
+from pagoda.model.loader.gguf_int4 import DEQUANTIZED_IN_TORCH, HAS_MIN, LINEAR_PARTS, dequantize, int4_groups
 from pagoda.model.registry import ARCHITECTURE_OF_MODEL_TYPE
 
 # GGUF `general.architecture` -> HF model_type. llama.cpp also files Mistral under "llama".
@@ -193,8 +194,11 @@ def iter_gguf_weights(
             ):
                 yield f"{base}.{suffix}", part if heads is None else _unpermute_rows(part, heads)
             continue
-        array = gguf.quants.dequantize(raw, ggml_type)
-        if not array.flags.writeable:
-            array = np.array(array)
-        weight = torch.from_numpy(array).reshape(list(reversed(tensor.shape)))
+        if ggml_type in DEQUANTIZED_IN_TORCH:
+            weight = dequantize(raw, ggml_type).reshape(list(reversed(tensor.shape)))
+        else:
+            array = gguf.quants.dequantize(raw, ggml_type)
+            if not array.flags.writeable:
+                array = np.array(array)
+            weight = torch.from_numpy(array).reshape(list(reversed(tensor.shape)))
         yield name, weight if heads is None else _unpermute_rows(weight, heads)
