@@ -77,6 +77,10 @@ def test_torch_dequantize_is_gguf_s_bit_for_bit(qtype) -> None:
     blocks.flags.writeable = False  # as the file's read-only map gives them
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
     assert torch.equal(dequantize(blocks, qtype), expected)
+    # Any leading shape (a stack of experts, a vector): the blocks run along the last axis.
+    stacked = blocks.reshape(3, 16, -1)
+    assert torch.equal(dequantize(stacked, qtype), expected.view(3, 16, -1))
+    assert torch.equal(dequantize(blocks[0], qtype), expected[0])
 
 
 def _layer_with(layer_class: type, *args: object, loads: dict[object, np.ndarray], qtype) -> torch.nn.Module:

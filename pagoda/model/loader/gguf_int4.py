@@ -50,15 +50,14 @@ def int4_groups(blocks: np.ndarray, ggml_type: int) -> tuple[torch.Tensor, torch
 
 
 def dequantize(blocks: np.ndarray, ggml_type: int) -> torch.Tensor:
-    """Q4_0, Q4_1 or Q8_0 bytes, one row per innermost row [N, K / 32 * block bytes] -> float32
-    [N, K], the same values and float32 operations as `gguf.quants.dequantize`: d (q - 8),
-    d q + m, d q."""
-    rows = blocks.shape[0]
-    header = 2 if ggml_type == Q8_0 else 4 if HAS_MIN[ggml_type] else 2
+    """Q4_0, Q4_1 or Q8_0 bytes, each innermost row a run of blocks ([..., K / 32 * block
+    bytes]) -> float32 [..., K], the same values and float32 operations as
+    `gguf.quants.dequantize`: d (q - 8), d q + m, d q."""
+    header = 4 if HAS_MIN.get(ggml_type) else 2
     body = GROUP_SIZE if ggml_type == Q8_0 else GROUP_SIZE // 2
-    data = torch.from_numpy(np.array(blocks).reshape(rows, -1, header + body))  # a copy: the file's map is read-only
-    scale = data[..., :2].contiguous().view(torch.float16).float()
-    quants = data[..., header:]
+    data = torch.from_numpy(np.array(blocks)).view(-1, header + body)  # a copy: the file's map is read-only
+    scale = data[:, :2].contiguous().view(torch.float16).float()
+    quants = data[:, header:]
     if ggml_type == Q8_0:
         values = quants.contiguous().view(torch.int8).float()
     else:
@@ -67,5 +66,5 @@ def dequantize(blocks: np.ndarray, ggml_type: int) -> torch.Tensor:
         values = (values.to(torch.int8) - 8).float() if ggml_type == Q4_0 else values.float()
     weight = scale * values
     if ggml_type == Q4_1:
-        weight += data[..., 2:4].contiguous().view(torch.float16).float()
-    return weight.reshape(rows, -1)
+        weight += data[:, 2:4].contiguous().view(torch.float16).float()
+    return weight.view(*blocks.shape[:-1], -1)
