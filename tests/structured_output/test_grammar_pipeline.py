@@ -15,8 +15,9 @@ from structured_output.test_grammar_state import allowed, state_of, tokens_of
 
 from pagoda.sample.metadata import TokenBitmask
 from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.structured_output import pipeline as pipeline_module
 from pagoda.structured_output.pipeline import GrammarPipeline, MaskRequest, SampledGrammarRow
-from pagoda.structured_output.state import GrammarBatch
+from pagoda.structured_output.state import GrammarBatch, allocate_bitmask
 
 # Letters and digits alternate: each step allows what the previous one did not.
 ALTERNATING = StructuredOutputsParams(regex=r"([a-e][0-4]){4}")
@@ -241,14 +242,22 @@ def test_the_device_copy_carries_the_staged_pairs_and_masks(backend) -> None:
 
 
 @pytest.mark.gpu
-def test_a_pipeline_made_behind_a_queued_forward_sends_its_first_masks_after_the_zeroing(backend) -> None:
+def test_a_pipeline_made_behind_a_queued_forward_sends_its_first_masks_after_the_zeroing(backend, monkeypatch) -> None:
     """The runner makes the pipeline with the first grammar, after that step's forward is
     queued: the device buffers' zeroing waits behind the forward on the loop's stream. The first
     copy, on the side stream, must wait for it, or the zeroing lands after the copy and the
     sampler reads all-zero masks (every token refused: token 0 sampled, the grammar dropped;
-    seen under a loaded GPU, 2026-12-07)."""
+    seen under a loaded GPU, 2026-12-07). The forward still running is ~0.1 s of sleep queued on
+    the loop's stream right before the device buffers are made (after the pinned host buffers,
+    whose allocation may wait for the device)."""
+
+    def host_buffers_then_a_busy_stream(*args, **kwargs) -> torch.Tensor:
+        buffer = allocate_bitmask(*args, **kwargs)
+        torch.cuda._sleep(200_000_000)
+        return buffer
+
+    monkeypatch.setattr(pipeline_module, "allocate_bitmask", host_buffers_then_a_busy_stream)
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # a forward still running: ~0.1 s of the loop's stream
     pipeline = GrammarPipeline(max_rows=16, mask_vocab_size=VOCAB, device=torch.device("cuda"), batch=GrammarBatch(1))
     states = [state_of(backend, ALTERNATING) for _ in range(3)]
     bitmask = pipeline.masks([MaskRequest(state, i) for i, state in enumerate(states)])
