@@ -190,7 +190,7 @@ class GrammarPipeline:
             # queued kernels may still use: the first copy, on the side stream, waits for them.
             # Freed, the memory waits for the side stream's copies too.
             assert self._applied is not None and self._device is not None
-            self._applied.record()
+            self._applied.record(torch.cuda.current_stream(device))
             self._device.tensor.record_stream(self._stream)
 
     # ---- the thread -----------------------------------------------------------------------
