@@ -14,9 +14,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Environment variables that size the thread pools of child processes (OpenMP, MKL, OpenBLAS),
-# which read them once at start-up.
-THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+# Environment variables that size thread pools (OpenMP, MKL, OpenBLAS in child processes, read
+# once at their start; Rust's rayon, which HF tokenizers batch-encode on, read when this process
+# or a child first encodes a batch).
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
 
 
 def usable_cpu_count() -> int:
@@ -34,7 +35,7 @@ def cpu_has_native_bf16() -> bool:
 
 def configure_cpu_threads(num_threads: int) -> None:
     """Run torch's compute on `num_threads` threads, one inter-op thread (the engine issues its
-    ops from one thread), and let child processes inherit the same count."""
+    ops from one thread), and let the tokenizer's pool and child processes take the same count."""
     torch.set_num_threads(num_threads)
     if torch.get_num_interop_threads() != 1:
         try:
