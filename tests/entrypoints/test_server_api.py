@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path  # noqa: E402
-from server_utils import API_KEY, KEYED_CONTEXT, KEYED_SERVER, MODEL, RemoteServer, assert_error  # noqa: E402
+from server_utils import API_KEY, HTTP, KEYED_CONTEXT, KEYED_SERVER, MODEL, RemoteServer, assert_error  # noqa: E402
 
 from pagoda import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
 
@@ -375,10 +375,10 @@ def test_malformed_json(server: RemoteServer) -> None:
 def test_api_key_is_required_except_for_health(server: RemoteServer) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/metrics")):
-            response = httpx.request(method, server.url + path, headers=headers, json={"prompt": "Hi"})
+            response = HTTP.request(method, server.url + path, headers=headers, json={"prompt": "Hi"})
             assert response.status_code == 401, (path, headers)
             assert response.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert HTTP.get(server.url + "/health").status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
@@ -408,21 +408,27 @@ def test_bad_requests_do_not_disturb_others(server: RemoteServer, expected_compl
 
 
 def test_metrics_count_what_was_served(server: RemoteServer) -> None:
+    """The counters move by what this test serves (the server is shared: which other tests ran
+    on it first depends on how pytest-xdist spread them)."""
     assert server.wait_idle()["idle"]
-    text = server.get("/metrics").text
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    assert values['pagoda:request_success_total{finished_reason="length"}'] > 10
-    assert values['pagoda:request_success_total{finished_reason="stop"}'] >= 2
-    assert values["pagoda:prompt_tokens_total"] > 50
-    assert values["pagoda:generation_tokens_total"] > 50
+    before = server.metrics()
+    for prompt in PROMPTS * 4:  # 12 requests that end at max_tokens
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        assert server.post("/v1/completions", json=body).json()["choices"][0]["finish_reason"] == "length"
+    for _ in range(2):  # 2 that end at a stop string (the greedy answer names Paris)
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 32, "temperature": 0, "stop": ["Paris"]}
+        assert server.post("/v1/chat/completions", json=body).json()["choices"][0]["finish_reason"] == "stop"
+    assert server.wait_idle()["idle"]
+    after = server.metrics()
+    moved = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert moved['pagoda:request_success_total{finished_reason="length"}'] == 12
+    assert moved['pagoda:request_success_total{finished_reason="stop"}'] == 2
+    assert moved["pagoda:prompt_tokens_total"] > 50
+    assert moved["pagoda:generation_tokens_total"] >= 12 * 6
     for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
-        assert values[f"pagoda:{histogram}_count"] > 10
-        assert values[f"pagoda:{histogram}_sum"] > 0
-    assert values["pagoda:num_requests_running"] == 0
-    assert values["pagoda:num_requests_waiting"] == 0
-    assert values["pagoda:kv_cache_usage_perc"] == 0
-    assert 0 < values["pagoda:prefix_cache_hit_rate"] < 1, "the same prompts were sent again"
+        assert moved[f"pagoda:{histogram}_count"] >= 14
+        assert moved[f"pagoda:{histogram}_sum"] > 0
+    assert after["pagoda:num_requests_running"] == 0
+    assert after["pagoda:num_requests_waiting"] == 0
+    assert after["pagoda:kv_cache_usage_perc"] == 0
+    assert 0 < after["pagoda:prefix_cache_hit_rate"] < 1, "the same prompts were sent again"
