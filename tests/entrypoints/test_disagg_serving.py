@@ -21,7 +21,7 @@ import time
 
 import httpx
 import pytest
-from server_utils import HTTP_TIMEOUT_S, REPO_ROOT, RemoteServer, assert_error, wait_until
+from server_utils import HTTP, HTTP_TIMEOUT_S, REPO_ROOT, RemoteServer, assert_error, wait_until
 
 from pagoda.distributed.parallel_state import free_port
 from pagoda.kv_transfer.disagg import shm
@@ -47,12 +47,12 @@ class Router:
 
     def _healthy(self) -> bool:
         try:
-            return httpx.get(self.url + "/health", timeout=5).status_code == 200
+            return HTTP.get(self.url + "/health", timeout=5).status_code == 200
         except httpx.HTTPError:
             return False
 
     def post(self, path: str, body: dict) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=HTTP_TIMEOUT_S)
+        return HTTP.post(self.url + path, json=body, timeout=HTTP_TIMEOUT_S)
 
     def stop(self) -> None:
         self.process.terminate()

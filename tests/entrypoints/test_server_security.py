@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import re
 
-import httpx
 import pytest
 
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
-from server_utils import API_KEY, KEYED_SERVER, RemoteServer, stand_in_engine
+from server_utils import API_KEY, HTTP, KEYED_SERVER, RemoteServer, stand_in_engine
 
 from pagoda.entrypoints.openai.api_server import OPEN_PATHS, build_app
 from pagoda.entrypoints.openai.cli_args import ServerOptions
@@ -60,21 +59,21 @@ def test_every_route_but_health_needs_the_key(server: RemoteServer, method: str,
     body = {} if method == "POST" else None
     wrong_keys = ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": "bearer"})
     for headers in wrong_keys:
-        response = httpx.request(method, server.url + path, headers=headers, json=body, timeout=60)
+        response = HTTP.request(method, server.url + path, headers=headers, json=body, timeout=60)
         if path in OPEN_PATHS:
             assert response.status_code != 401, (method, path)
             continue
         assert response.status_code == 401, (method, path, headers)
         if method != "HEAD":
             assert response.json()["error"]["code"] == "invalid_api_key"
-    response = httpx.request(method, server.url + path, headers=server.headers, json=body, timeout=60)
+    response = HTTP.request(method, server.url + path, headers=server.headers, json=body, timeout=60)
     assert response.status_code != 401, (method, path)
     assert response.status_code < 500, (method, path, response.text)
 
 
 def test_unknown_paths_are_guarded_before_routing(server: RemoteServer) -> None:
     for path in ("/nope", "/health/", "/v1/../metrics", "/HEALTH"):
-        assert httpx.get(server.url + path, timeout=60).status_code == 401, path
+        assert HTTP.get(server.url + path, timeout=60).status_code == 401, path
     assert server.get("/nope").status_code == 404
 
 

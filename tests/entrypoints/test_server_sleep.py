@@ -10,14 +10,13 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-import httpx
 import pytest
 
 pytest.importorskip("fastapi")
 
 from engine_utils import smollm2_gguf_path
 from fastapi.testclient import TestClient
-from server_utils import API_KEY, HTTP_TIMEOUT_S, RemoteServer, stand_in_engine
+from server_utils import API_KEY, HTTP, HTTP_TIMEOUT_S, RemoteServer, stand_in_engine
 
 from pagoda.engine.async_llm import STALL_TIMEOUT_ENV
 from pagoda.entrypoints.openai.api_server import build_app
@@ -105,14 +104,14 @@ def test_every_sleep_route_needs_the_key(server: RemoteServer) -> None:
         ("GET", "/is_sleeping"),
         ("POST", "/update_weights"),
     ):
-        response = httpx.request(method, server.url + path, json={"path": smollm2_gguf_path()}, timeout=HTTP_TIMEOUT_S)
+        response = HTTP.request(method, server.url + path, json={"path": smollm2_gguf_path()}, timeout=HTTP_TIMEOUT_S)
         assert response.status_code == 401, (method, path)
     assert server.get("/is_sleeping").json() == {"is_sleeping": False}
 
 
 def test_sleep_with_a_request_in_flight_is_refused(server: RemoteServer, greedy_text: str) -> None:
     body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream(
+    with HTTP.stream(
         "POST", server.url + "/v1/completions", json=body, headers=server.headers, timeout=HTTP_TIMEOUT_S
     ) as stream:
         lines = stream.iter_lines()  # kept: an iterator dropped closes the stream, which aborts the request
