@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -412,12 +413,20 @@ def test_metrics_count_what_was_served(server: RemoteServer) -> None:
     on it first depends on how pytest-xdist spread them)."""
     assert server.wait_idle()["idle"]
     before = server.metrics()
-    for prompt in PROMPTS * 4:  # 12 requests that end at max_tokens
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}
-        assert server.post("/v1/completions", json=body).json()["choices"][0]["finish_reason"] == "length"
-    for _ in range(2):  # 2 that end at a stop string (the greedy answer names Paris)
-        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 32, "temperature": 0, "stop": ["Paris"]}
-        assert server.post("/v1/chat/completions", json=body).json()["choices"][0]["finish_reason"] == "stop"
+    # 12 requests that end at max_tokens and 2 at a stop string (the greedy answer names Paris):
+    # each prompt once, so that its blocks are cached, then the rest at once (the server batches them).
+    lengths = [("/v1/completions", {"prompt": prompt, "max_tokens": 6}, "length") for prompt in PROMPTS * 4]
+    stops = [("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 32, "stop": ["Paris"]}, "stop")] * 2
+
+    def served(path: str, body: dict, finish_reason: str) -> None:
+        response = server.post(path, json={"model": MODEL, "temperature": 0, **body})
+        assert response.json()["choices"][0]["finish_reason"] == finish_reason, response.text
+
+    first, rest = lengths[: len(PROMPTS)], lengths[len(PROMPTS) :] + stops
+    for request in first:
+        served(*request)
+    with ThreadPoolExecutor(len(rest)) as pool:
+        list(pool.map(served, *zip(*rest, strict=True)))
     assert server.wait_idle()["idle"]
     after = server.metrics()
     moved = {name: after[name] - before.get(name, 0.0) for name in after}
