@@ -50,7 +50,7 @@ PROMPTS = [
 ]
 
 
-def _q4_blocks(rows: int, cols: int, qtype: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
+def _quantized_blocks(rows: int, cols: int, qtype: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     weight = (rng.standard_normal((rows, cols)) * 0.05 + rng.standard_normal((rows, 1)) * 0.02).astype(np.float32)
     return gguf.quants.quantize(weight, qtype)
@@ -64,7 +64,7 @@ def _dequantize_groups(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.T
 
 @pytest.mark.parametrize("qtype", Q4_TYPES, ids=lambda t: t.name)
 def test_int4_groups_dequantize_as_gguf_does(qtype) -> None:
-    blocks = _q4_blocks(48, 128, qtype, seed=1)
+    blocks = _quantized_blocks(48, 128, qtype, seed=1)
     qweight, scale, zero = int4_groups(blocks, qtype)
     assert (qweight.shape, scale.shape, zero.shape) == ((48, 64), (48, 4), (48, 4))
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
@@ -73,7 +73,7 @@ def test_int4_groups_dequantize_as_gguf_does(qtype) -> None:
 
 @pytest.mark.parametrize("qtype", [*Q4_TYPES, gguf.GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
 def test_torch_dequantize_is_gguf_s_bit_for_bit(qtype) -> None:
-    blocks = _q4_blocks(48, 128, qtype, seed=2)
+    blocks = _quantized_blocks(48, 128, qtype, seed=2)
     blocks.flags.writeable = False  # as the file's read-only map gives them
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
     assert torch.equal(dequantize(blocks, qtype), expected)
@@ -115,11 +115,11 @@ def _check_output(layer: torch.nn.Module, weight: torch.Tensor, x: torch.Tensor)
 def test_int4_linear_is_linear_on_its_dequantized_weight(qtype, dtype, tokens) -> None:
     torch.manual_seed(tokens)
     x = torch.randn(tokens, 96, dtype=dtype)
-    blocks = _q4_blocks(32, 96, qtype, seed=2)
+    blocks = _quantized_blocks(32, 96, qtype, seed=2)
     _check_output(
         _layer_with(ColumnParallelLinear, 96, 32, loads={None: blocks}, qtype=qtype), _kernel_weight(blocks, qtype), x
     )
-    gate, up = _q4_blocks(48, 96, qtype, seed=3), _q4_blocks(48, 96, qtype, seed=4)
+    gate, up = _quantized_blocks(48, 96, qtype, seed=3), _quantized_blocks(48, 96, qtype, seed=4)
     merged = _layer_with(MergedColumnParallelLinear, 96, [48, 48], loads={0: gate, 1: up}, qtype=qtype)
     _check_output(merged, torch.cat([_kernel_weight(gate, qtype), _kernel_weight(up, qtype)]), x)
     # Against gguf's own dequantized weight: off by the bf16 rounding of the scales and zeros.
@@ -130,7 +130,7 @@ def test_int4_linear_is_linear_on_its_dequantized_weight(qtype, dtype, tokens) -
 
 def test_int4_linear_adds_its_bias() -> None:
     qtype = gguf.GGMLQuantizationType.Q4_1
-    blocks = _q4_blocks(16, 64, qtype, seed=5)
+    blocks = _quantized_blocks(16, 64, qtype, seed=5)
     layer = _layer_with(ColumnParallelLinear, 64, 16, True, loads={None: blocks}, qtype=qtype)
     layer.bias.data.copy_(torch.arange(16.0))
     x = torch.randn(3, 64, dtype=torch.bfloat16)
@@ -142,8 +142,8 @@ def test_tensor_parallel_ranks_hold_slices_of_the_groups(parallel_state) -> None
     """At TP 2 a column-parallel rank holds its rows of each merged tensor and a row-parallel
     rank its columns (whole groups of 32), scales and zeros alongside."""
     qtype = gguf.GGMLQuantizationType.Q4_1
-    gate, up = _q4_blocks(64, 64, qtype, seed=6), _q4_blocks(64, 64, qtype, seed=7)
-    down = _q4_blocks(64, 128, qtype, seed=8)
+    gate, up = _quantized_blocks(64, 64, qtype, seed=6), _quantized_blocks(64, 64, qtype, seed=7)
+    down = _quantized_blocks(64, 128, qtype, seed=8)
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     for rank in range(2):
         parallel_state(tp_rank=rank, tp_size=2)
@@ -178,12 +178,12 @@ def test_int4_obstacle_names_the_tensor_that_cannot_stay_4bit(tmp_path) -> None:
     q4_1 = gguf.GGMLQuantizationType.Q4_1
     f16 = gguf.GGMLQuantizationType.F16
     norm = (np.ones(64, dtype=np.float32), gguf.GGMLQuantizationType.F32)
-    fine = {"blk.0.attn_norm.weight": norm, "blk.0.attn_q.weight": (_q4_blocks(64, 64, q4_1, 0), q4_1)}
+    fine = {"blk.0.attn_norm.weight": norm, "blk.0.attn_q.weight": (_quantized_blocks(64, 64, q4_1, 0), q4_1)}
     assert int4_obstacle(_write_gguf(str(tmp_path / "q4.gguf"), fine)) is None
     mixed = {**fine, "blk.0.attn_k.weight": (np.zeros((32, 64), dtype=np.float16), f16)}
     reason = int4_obstacle(_write_gguf(str(tmp_path / "mixed.gguf"), mixed))
     assert reason == "needs Q4_0 or Q4_1 linear weights, blk.0.attn_k.weight is F16"
-    odd = {**fine, "blk.0.attn_v.weight": (_q4_blocks(24, 64, q4_1, 0), q4_1)}
+    odd = {**fine, "blk.0.attn_v.weight": (_quantized_blocks(24, 64, q4_1, 0), q4_1)}
     reason = int4_obstacle(_write_gguf(str(tmp_path / "odd.gguf"), odd))
     assert reason == "needs output rows divisible by 16, blk.0.attn_v.weight has 24"
 

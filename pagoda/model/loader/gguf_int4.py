@@ -53,7 +53,7 @@ def dequantize(blocks: np.ndarray, ggml_type: int) -> torch.Tensor:
     """Q4_0, Q4_1 or Q8_0 bytes, each innermost row a run of blocks ([..., K / 32 * block
     bytes]) -> float32 [..., K], the same values and float32 operations as
     `gguf.quants.dequantize`: d (q - 8), d q + m, d q."""
-    header = 4 if HAS_MIN.get(ggml_type) else 2
+    header = 4 if ggml_type == Q4_1 else 2  # d, and Q4_1's m
     body = GROUP_SIZE if ggml_type == Q8_0 else GROUP_SIZE // 2
     data = torch.from_numpy(np.array(blocks)).view(-1, header + body)  # a copy: the file's map is read-only
     scale = data[:, :2].contiguous().view(torch.float16).float()
