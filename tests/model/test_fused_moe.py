@@ -187,6 +187,7 @@ def model_experts() -> dict[tuple[int, int, int, int], tuple[torch.Tensor, torch
 
 @gpu
 @needs_cuda
+@pytest.mark.serial  # 7.7 GiB of experts for the module, and a reference that gathers them per token
 @pytest.mark.parametrize("num_tokens", [1, 2, 7, 32, 100, 512, 2048, 8192])
 @pytest.mark.parametrize("shape", MODEL_SHAPES)
 def test_model_shapes_match_reference_and_repeat(model_experts, shape, num_tokens: int):
@@ -214,6 +215,7 @@ def test_top_k_sweep_on_the_gpu(top_k: int):
 
 @gpu
 @needs_cuda
+@pytest.mark.serial  # shares the module's model-size experts
 def test_cuda_graph_replay_matches_eager(model_experts):
     shape = MODEL_SHAPES[0]
     w13, w2 = model_experts[shape]

@@ -308,6 +308,7 @@ def test_cuda_graph_decode_matches_eager(tiny_model) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.serial  # a real model's layer shapes: more than a GPU worker's 8 GiB
 def test_mamba2_2_7b_shape_serves_with_cuda_graphs() -> None:
     """The published Mamba2-2.7B shape with dummy weights in bf16: 64 layers, decode from CUDA
     graphs, prompts up to 2k tokens in chunks; every request gets its tokens and the pool is whole."""
