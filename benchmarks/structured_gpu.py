@@ -83,6 +83,8 @@ def end_to_end(args: argparse.Namespace) -> dict:
     constrained = [dataclasses.replace(p, structured_outputs=constraint, ignore_eos=False) for p in plain]
     warm = [SamplingParams(max_tokens=16, structured_outputs=constraint)] * 2
     llm.generate(workload.prompts[:2], warm, use_tqdm=False)
+    if args.min_rows_per_thread:  # the pipeline exists once a grammar has run
+        runner._grammar_pipeline.batch.min_rows_per_thread = args.min_rows_per_thread
 
     seconds: dict[str, list[float]] = defaultdict(list)
     num_steps: dict[str, int] = {}
@@ -113,6 +115,7 @@ def end_to_end(args: argparse.Namespace) -> dict:
         "max_rows_per_step": stats.max_rows,
         "prefilled_share": stats.prefilled_rows / max(stats.rows, 1),
         "host_ms_per_step": stats.per_step_ms(),
+        "min_rows_per_thread": runner._grammar_pipeline.batch.min_rows_per_thread,
     }
 
 
@@ -259,14 +262,18 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="--host-only: GrammarBatch's threads (default: its own)"
     )
-    parser.add_argument(
-        "--min-rows-per-thread", type=int, default=None, help="--host-only, --pipeline: GrammarBatch's chunk"
-    )
+    parser.add_argument("--min-rows-per-thread", type=int, default=None, help="GrammarBatch's chunk (default: its own)")
     parser.add_argument("--vocab-size", type=int, default=151_936, help="--host-only: the model's vocabulary")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
     result = pipeline_steps(args) if args.pipeline else host_only(args) if args.host_only else end_to_end(args)
     print(json.dumps(result, indent=1))
+    if "overhead" in result:  # the end-to-end run's headline, last
+        plain, grammar = result["ms_per_step"]["plain"], result["ms_per_step"]["grammar"]
+        print(
+            f"grammar overhead {100 * result['overhead']:+.1f}% a step ({plain:.2f} -> {grammar:.2f} ms), "
+            f"min_rows_per_thread {result['min_rows_per_thread']}"
+        )
     if args.result_json:
         with open(args.result_json, "w") as file:
             json.dump(result, file, indent=1)
