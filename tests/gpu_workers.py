@@ -6,12 +6,13 @@
 An engine sizes its KV cache by profiling the device, and the device's free memory counts what
 the other processes hold as its own use: beside three busy workers it could find no room at
 all. Here each engine a test builds without `num_gpu_blocks` gets a fixed KV budget instead
-(GPU_WORKER_KV_GIB, default 4 GiB); the tests that size or measure device memory, or time
-kernels, carry the `serial` mark and run in the second, single-process pass.
+(GPU_WORKER_KV_GIB, default 4 GiB); the tests that size or measure device memory, time
+kernels or need more than a worker's cap (below) carry the `serial` mark and run in the second,
+single-process pass.
 
 Each worker's torch allocator is capped at GPU_WORKER_MAX_GIB (default 8 GiB, so eight workers
 fit an 80 GiB card with their CUDA contexts), and gives its cached blocks back after every
-test: a test that needs more fails in itself, naming the cap, instead of starving whichever
+test: a test that needs more fails in itself (torch's out-of-memory error names the GiB allowed) instead of starving whichever
 neighbour allocates next. GPU_WORKER_PEAKS=FILE appends each test's peak (GiB, test id) there,
 which is how a test that belongs in the serial pass is found.
 """
