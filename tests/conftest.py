@@ -44,20 +44,6 @@ def _registering_init(self: LLMEngine, *args, **kwargs) -> None:
 LLMEngine.__init__ = _registering_init
 
 
-# Session fixtures that cost a server start or a model read each. Under pytest-xdist (whose
-# `--dist loadgroup` pyproject.toml sets) every test that uses one runs in the same process, so it
-# is built once per run, not once per process. Marked before xdist reads the marks (tryfirst).
-ONE_PROCESS_FIXTURES = ("shared_server", "smollm2_transformers")
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        used = [name for name in ONE_PROCESS_FIXTURES if name in getattr(item, "fixturenames", ())]
-        if used:
-            item.add_marker(pytest.mark.xdist_group(used[0]))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Keep each phase's report on the test item, for fixtures that act on a failure."""
