@@ -12,9 +12,10 @@ single-process pass.
 
 Each worker's torch allocator is capped at GPU_WORKER_MAX_GIB (default 8 GiB, so eight workers
 fit an 80 GiB card with their CUDA contexts), and gives its cached blocks back after every
-test: a test that needs more fails in itself (torch's out-of-memory error names the GiB allowed) instead of starving whichever
-neighbour allocates next. GPU_WORKER_PEAKS=FILE appends each test's peak (GiB, test id) there,
-which is how a test that belongs in the serial pass is found.
+test: a test that needs more fails in itself (torch's out-of-memory error names the GiB
+allowed) instead of starving whichever neighbour allocates next. GPU_WORKER_PEAKS=FILE appends
+each test's peak (GiB, test id) there, which is how a test that belongs in the serial pass is
+found.
 """
 
 from __future__ import annotations
