@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from collections import defaultdict
 
@@ -62,6 +63,7 @@ def end_to_end(args: argparse.Namespace) -> dict:
     from pagoda import LLM, SamplingParams, StructuredOutputsParams
     from pagoda.benchmarks.throughput import nanobench_workload
     from pagoda.structured_output.pipeline import PipelineStats
+    from pagoda.structured_output.state import GrammarBatch
     from pagoda.worker.gpu_model_runner import GPUModelRunner
 
     steps = defaultdict(int)
@@ -83,8 +85,10 @@ def end_to_end(args: argparse.Namespace) -> dict:
     constrained = [dataclasses.replace(p, structured_outputs=constraint, ignore_eos=False) for p in plain]
     warm = [SamplingParams(max_tokens=16, structured_outputs=constraint)] * 2
     llm.generate(workload.prompts[:2], warm, use_tqdm=False)
-    if args.min_rows_per_thread:  # the pipeline exists once a grammar has run
-        runner._grammar_pipeline.batch.min_rows_per_thread = args.min_rows_per_thread
+    if args.threads or args.min_rows_per_thread:  # the pipeline exists once a grammar has run
+        runner._grammar_pipeline.batch = GrammarBatch(args.threads, args.min_rows_per_thread)
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
 
     seconds: dict[str, list[float]] = defaultdict(list)
     num_steps: dict[str, int] = {}
@@ -116,6 +120,8 @@ def end_to_end(args: argparse.Namespace) -> dict:
         "prefilled_share": stats.prefilled_rows / max(stats.rows, 1),
         "host_ms_per_step": stats.per_step_ms(),
         "min_rows_per_thread": runner._grammar_pipeline.batch.min_rows_per_thread,
+        "threads": len(runner._grammar_pipeline.batch._batches),
+        "switch_interval_ms": 1000 * sys.getswitchinterval(),
     }
 
 
@@ -259,8 +265,9 @@ def main() -> None:
     parser.add_argument("--busy-ms", type=float, default=3.0, help="--pipeline: the loop's busy time a step")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--host-steps", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=None, help="GrammarBatch's threads (default: its own)")
     parser.add_argument(
-        "--threads", type=int, default=None, help="--host-only: GrammarBatch's threads (default: its own)"
+        "--switch-interval-ms", type=float, default=None, help="the GIL's switch interval (Python's default: 5)"
     )
     parser.add_argument("--min-rows-per-thread", type=int, default=None, help="GrammarBatch's chunk (default: its own)")
     parser.add_argument("--vocab-size", type=int, default=151_936, help="--host-only: the model's vocabulary")
@@ -272,7 +279,8 @@ def main() -> None:
         plain, grammar = result["ms_per_step"]["plain"], result["ms_per_step"]["grammar"]
         print(
             f"grammar overhead {100 * result['overhead']:+.1f}% a step ({plain:.2f} -> {grammar:.2f} ms), "
-            f"min_rows_per_thread {result['min_rows_per_thread']}"
+            f"min_rows_per_thread {result['min_rows_per_thread']}, threads {result['threads']}, "
+            f"switch interval {result['switch_interval_ms']:g} ms"
         )
     if args.result_json:
         with open(args.result_json, "w") as file:
