@@ -1,6 +1,7 @@
 """Time `pagoda serve` from launch to its first `/health` 200, and from SIGTERM (once healthy)
 to its exit, for one or more checkouts, in alternating rounds (a shared machine's load swings
-between runs: compare within a round).
+between runs: compare within a round), with the CPU seconds its processes used from launch to
+exit (the server's and the engine core's it waited for: less sensitive to the load).
 
     python benchmarks/startup.py --rounds 3 CHECKOUT [CHECKOUT ...] -- --dtype float32 --device cpu
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -31,11 +33,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def time_start_and_stop(checkout: str, serve_args: list[str]) -> tuple[float, float]:
-    """(seconds from launch to healthy, seconds from SIGTERM to the process's exit)."""
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def time_start_and_stop(checkout: str, serve_args: list[str]) -> tuple[float, float, float]:
+    """(seconds from launch to healthy, seconds from SIGTERM to the process's exit, CPU seconds)."""
     port = free_port()
     command = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--port", str(port), *serve_args]
     env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
+    cpu = children_cpu_s()
     start = time.monotonic()
     server = subprocess.Popen(command, cwd=checkout, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -43,7 +51,7 @@ def time_start_and_stop(checkout: str, serve_args: list[str]) -> tuple[float, fl
         stop = time.monotonic()
         server.terminate()
         server.wait(TIMEOUT_S)
-        return ready, time.monotonic() - stop
+        return ready, time.monotonic() - stop, children_cpu_s() - cpu
     finally:
         if server.poll() is None:
             server.kill()
@@ -73,21 +81,24 @@ def main() -> None:
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     starts: dict[str, list[float]] = {checkout: [] for checkout in args.checkouts}
     stops: dict[str, list[float]] = {checkout: [] for checkout in args.checkouts}
+    cpus: dict[str, list[float]] = {checkout: [] for checkout in args.checkouts}
     for number in range(1, args.rounds + 1):
         row = []
         for checkout in args.checkouts:
-            ready, stopped = time_start_and_stop(checkout, serve_args)
+            ready, stopped, cpu = time_start_and_stop(checkout, serve_args)
             starts[checkout].append(ready)
             stops[checkout].append(stopped)
-            row.append(f"{checkout}: ready {ready:.2f} s, stopped {stopped:.2f} s")
+            cpus[checkout].append(cpu)
+            row.append(f"{checkout}: ready {ready:.2f} s, stopped {stopped:.2f} s, CPU {cpu:.2f} s")
         print(f"round {number}: " + ", ".join(row), flush=True)
-    print("| checkout | ready, s (each round) | median s | stop, s (each round) | median s |")
-    print("|---|---|---|---|---|")
+    print("| checkout | ready, s (each round) | median s | stop, s (each round) | median s | CPU s median |")
+    print("|---|---|---|---|---|---|")
     for checkout in args.checkouts:
         ready, stopped = starts[checkout], stops[checkout]
         print(
             f"| {checkout} | {', '.join(f'{s:.2f}' for s in ready)} | {statistics.median(ready):.2f} "
-            f"| {', '.join(f'{s:.2f}' for s in stopped)} | {statistics.median(stopped):.2f} |"
+            f"| {', '.join(f'{s:.2f}' for s in stopped)} | {statistics.median(stopped):.2f} "
+            f"| {statistics.median(cpus[checkout]):.2f} |"
         )
 
 

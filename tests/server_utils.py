@@ -122,11 +122,11 @@ class RemoteServer:
         return values
 
     def core_pid(self) -> int:
-        """The engine core process: the server's child started by multiprocessing's spawn (the
-        other child, if any, is multiprocessing's resource tracker)."""
+        """The engine core process: the server's child that is not multiprocessing's resource
+        tracker (forked, the core has the server's command line; spawned, multiprocessing's)."""
         for pid in child_pids(self.process.pid):
             with open(f"/proc/{pid}/cmdline", "rb") as file:
-                if b"spawn_main" in file.read():
+                if b"resource_tracker" not in file.read():
                     return pid
         raise AssertionError("no engine core process found")
 

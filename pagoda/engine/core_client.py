@@ -24,7 +24,9 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -47,16 +49,32 @@ LIVENESS_POLL_MS = 200
 DEFAULT_UTILITY_TIMEOUT_S = 600.0
 
 
+def core_start_method() -> str:
+    """How the core process starts: forked where that is safe, so that it begins with what this
+    process has imported (torch and transformers cost a spawned core ~5 s of CPU on two cores
+    before it reads its first argument); spawned where a fork is not safe: other threads alive
+    (a lock one holds would stay held in the copy) or CUDA initialized (a forked child cannot use
+    it). `PAGODA_CORE_START_METHOD` (fork or spawn) overrides."""
+    chosen = os.environ.get("PAGODA_CORE_START_METHOD")
+    if chosen is not None:
+        if chosen not in ("fork", "spawn"):
+            raise ValueError(f"PAGODA_CORE_START_METHOD must be fork or spawn, not {chosen!r}")
+        return chosen
+    if "fork" not in multiprocessing.get_all_start_methods() or threading.active_count() > 1:
+        return "spawn"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "spawn"
+    return "fork"
+
+
 class EngineCoreClient:
     def __init__(self, config: EngineConfig | Mapping[str, Any], startup_timeout_s: float = 900.0) -> None:
         # Mode 0700: only this user reaches the sockets. The core removes it too when it ends.
         self.ipc_dir = tempfile.mkdtemp(prefix="pagoda-core-")
-        self._context = zmq.Context()
-        commands_address, reports_address = ipc_addresses(self.ipc_dir)
-        self._commands = open_socket(self._context, zmq.PUSH, commands_address, bind=True)
-        self._reports = open_socket(self._context, zmq.PULL, reports_address, bind=True)
-        self._async_reports: zmq.asyncio.Socket | None = None
-        self.process = multiprocessing.get_context("spawn").Process(
+        self.start_method = core_start_method()
+        logger.debug("engine core: starting it by %s", self.start_method)
+        self.process = multiprocessing.get_context(self.start_method).Process(
             target=run_engine_core,
             args=(config if isinstance(config, EngineConfig) else dict(config), self.ipc_dir, os.getpid()),
             name="pagoda-engine-core",
@@ -81,7 +99,14 @@ class EngineCoreClient:
         self._closed = False
         self._startup_deadline = time.monotonic() + startup_timeout_s
         self.num_kv_blocks: int | None = None  # known once the core is ready
+        # Started before this process has threads or sockets of zmq's, which a fork would copy
+        # (the core connects to addresses bound here afterwards: zmq retries until they are).
         self.process.start()
+        self._context = zmq.Context()
+        commands_address, reports_address = ipc_addresses(self.ipc_dir)
+        self._commands = open_socket(self._context, zmq.PUSH, commands_address, bind=True)
+        self._reports = open_socket(self._context, zmq.PULL, reports_address, bind=True)
+        self._async_reports: zmq.asyncio.Socket | None = None
 
     # ---- EngineCore's interface ----------------------------------------------------------
 

@@ -206,9 +206,12 @@ def inject_test_fault(core: EngineCore, fault: str, parent_pid: int) -> None:
 
 
 def run_engine_core(config: EngineConfig | Mapping[str, Any], ipc_dir: str, parent_pid: int) -> None:
-    """The core process's entry point (spawned by `EngineCoreClient`): serve, remove the pipes'
+    """The core process's entry point (started by `EngineCoreClient`): serve, remove the pipes'
     directory however serving ended (a parent killed outright cannot), then exit with the
     serving's status, without the interpreter's teardown (see `pagoda.process_exit`)."""
+    # A forked core shares its parent's signal wake-up pipe, if the parent's event loop set one:
+    # its signals would wake the parent's handlers.
+    signal.set_wakeup_fd(-1)
     # Ctrl-C in a terminal reaches the whole process group; the server decides when this ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM (the client's fallback, multiprocessing's exit handler) unwinds through the cleanup.

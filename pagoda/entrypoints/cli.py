@@ -339,26 +339,24 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Check what needs no model (port, model given once) first; then start the engine core,
-    which imports the engine and loads the model in its own process while this one imports the
-    server and builds its config and tokenizer (ready in 6.9 s instead of 8.7 s on two cores)."""
+    """Check what needs no model (port, model given once) first; then import the server, build
+    the config and start the engine core from it. The core forks from this process where it can
+    (see `core_start_method`), with torch, transformers and the engine imported once for both
+    (`pagoda serve` to /health on two cores: see benchmarks/RESULTS.md); a bad argument is
+    refused here, before any core starts."""
+    from pagoda.engine.arg_utils import create_engine_config
     from pagoda.engine.core_client import EngineCoreClient
+    from pagoda.entrypoints.openai.api_server import run_server
     from pagoda.entrypoints.openai.cli_args import check_serve_args
 
     check_serve_args(args)
-    kwargs = {
-        "model": args.model,
-        "max_num_queued_requests": args.max_num_queued_requests,
-        "enable_sleep_mode": args.enable_sleep_mode,
+    config = create_engine_config(
+        model=args.model,
+        max_num_queued_requests=args.max_num_queued_requests,
+        enable_sleep_mode=args.enable_sleep_mode,
         **engine_kwargs(args),
-    }
-    client = EngineCoreClient(kwargs)
-    try:
-        from pagoda.entrypoints.openai.api_server import run_server
-    except BaseException:
-        client.shutdown()
-        raise
-    return run_server(args, kwargs, client)
+    )
+    return run_server(args, config, EngineCoreClient(config))
 
 
 def add_global_args(parser: argparse.ArgumentParser, default: Any = "INFO") -> None:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ from server_utils import is_running, wait_until
 from pagoda import SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.engine.arg_utils import create_engine_config
-from pagoda.engine.core_client import EngineCoreClient, EngineDeadError
+from pagoda.engine.core_client import EngineCoreClient, EngineDeadError, core_start_method
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import RequestOutput
@@ -154,13 +155,15 @@ def test_the_core_dies_with_its_parent(tiny_llama3: str) -> None:
         f"config = create_engine_config(model={tiny_llama3!r}, device='cpu', dtype='float32', num_gpu_blocks=16)\n"
         "client = EngineCoreClient(config)\n"
         "client.wait_until_ready()\n"
-        "print(client.process.pid, client.ipc_dir, flush=True)\n"
+        "print(client.process.pid, client.ipc_dir, client.start_method, flush=True)\n"
         "signal.pause()\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        core_pid, ipc_dir = parent.stdout.readline().split()
+        core_pid, ipc_dir, start_method = parent.stdout.readline().split()
         assert is_running(int(core_pid)) and os.path.isdir(ipc_dir)
+        # A process with one thread and no CUDA forks its core (as `pagoda serve` does).
+        assert start_method == "fork"
         parent.kill()
         parent.wait(DEADLINE_S)
         assert wait_until(lambda: not is_running(int(core_pid)), DEADLINE_S), "the core outlived its parent"
@@ -229,3 +232,52 @@ def test_sleep_wake_and_weight_updates_run_in_the_core(tiny_llama3: str, tmp_pat
         assert client.process.is_alive()
     finally:
         client.shutdown()
+
+
+def test_the_core_forks_only_where_that_is_safe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fork copies one thread: with other threads alive (a lock one holds would stay held in the
+    copy) the core is spawned; the environment variable overrides, and a wrong value is named."""
+    monkeypatch.delenv("PAGODA_CORE_START_METHOD", raising=False)
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert core_start_method() == "spawn"
+    finally:
+        release.set()
+        other.join()
+    if threading.active_count() == 1:  # pytest-xdist's workers keep threads of their own
+        assert core_start_method() == "fork"
+    monkeypatch.setenv("PAGODA_CORE_START_METHOD", "spawn")
+    assert core_start_method() == "spawn"
+    monkeypatch.setenv("PAGODA_CORE_START_METHOD", "forkserver")
+    with pytest.raises(ValueError, match="PAGODA_CORE_START_METHOD must be fork or spawn"):
+        core_start_method()
+
+
+def test_a_forked_core_generates_what_the_in_process_core_does(tiny_llama3: str) -> None:
+    """The fork path end to end, from a fresh process (this one may have threads): the same
+    greedy tokens as the in-process core, and a clean shutdown."""
+    script = (
+        "from pagoda import SamplingParams\n"
+        "from pagoda.engine.arg_utils import create_engine_config\n"
+        "from pagoda.engine.core_client import EngineCoreClient\n"
+        "from pagoda.engine.llm_engine import LLMEngine\n"
+        f"config = create_engine_config(**{config_kwargs(tiny_llama3)!r})\n"
+        "client = EngineCoreClient(config)\n"
+        "engine = LLMEngine(config, engine_core=client)\n"
+        "greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)\n"
+        f"ids = [engine.add_request(prompt, greedy) for prompt in {PROMPTS!r}]\n"
+        "finished = {}\n"
+        "while engine.has_unfinished_requests():\n"
+        "    finished.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)\n"
+        "client.shutdown()\n"
+        "print(client.start_method, client.process.exitcode, [finished[i] for i in ids])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=DEADLINE_S)
+    assert result.returncode == 0, result.stderr
+    start_method, exitcode, tokens = result.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert (start_method, exitcode) == ("fork", "0")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    local = [o.outputs[0].token_ids for o in run_to_end(LLMEngine(make_config(tiny_llama3)), PROMPTS, greedy)]
+    assert tokens == repr(local)

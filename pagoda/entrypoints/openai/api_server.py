@@ -41,7 +41,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagoda import __version__
 from pagoda.config import EngineConfig
-from pagoda.engine.arg_utils import create_engine_config
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.core_client import EngineCoreClient, EngineDeadError
 from pagoda.entrypoints.openai.cli_args import ServerOptions
@@ -359,11 +358,11 @@ def startup_banner(engine: AsyncLLM, name: str, host: str, port: int) -> str:
     )
 
 
-def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any], client: EngineCoreClient) -> int:
-    """Serve with the core `client` started from `engine_kwargs` (see `run_serve` in the CLI):
-    this process builds its own copy of the config and the tokenizer while the core loads."""
+def run_server(args: argparse.Namespace, config: EngineConfig, client: EngineCoreClient) -> int:
+    """Serve with the core `client` started from `config` (see `run_serve` in the CLI): this
+    process builds the tokenizer and the app while the core loads."""
     try:
-        engine = AsyncLLM(create_engine_config(**engine_kwargs), client=client)
+        engine = AsyncLLM(config, client=client)
     except BaseException:
         client.shutdown()
         raise
