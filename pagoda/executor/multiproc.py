@@ -1,4 +1,5 @@
-"""The multiprocess executor: one local worker process per rank (`worker_proc`).
+"""The multiprocess executor: one local worker process per rank (`worker_proc`), forked by
+this process's rank launcher (`rank_launcher`) or started as a fresh interpreter.
 
 Each step's `SchedulerOutput` is pickled once and the same bytes go down every rank's pipe
 (a socket pair); every rank runs the forward, and only the driver rank (TP rank 0 of the
@@ -28,6 +29,7 @@ from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import free_port
 from pagoda.engine.errors import WorkerFailedError
 from pagoda.executor.abstract import Executor
+from pagoda.executor.rank_launcher import LaunchedRank, RankLauncher, launcher_enabled
 from pagoda.executor.worker_proc import WorkerCall, WorkerInit, WorkerReply, send
 from pagoda.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from pagoda.scheduler.output import SchedulerOutput
@@ -60,7 +62,7 @@ class MultiprocExecutor(Executor):
         self.world_size = parallel.world_size
         self.output_rank = parallel.driver_rank
         init_method = parallel.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[subprocess.Popen | LaunchedRank] = []
         self.connections: list[Connection] = []
         self._steps_sent = 0
         self._outputs: dict[int, ModelRunnerOutput] = {}
@@ -69,11 +71,15 @@ class MultiprocExecutor(Executor):
         # The workers import pagoda from wherever this process did.
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(pagoda.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        launcher = RankLauncher.shared(env) if launcher_enabled() else None
         try:
             for rank in range(self.world_size):
                 ours, theirs = Pipe(duplex=True)
-                command = [sys.executable, "-c", WORKER_MAIN, str(theirs.fileno()), str(os.getpid())]
-                self.processes.append(subprocess.Popen(command, env=env, pass_fds=[theirs.fileno()]))
+                if launcher is not None:
+                    self.processes.append(launcher.launch(theirs.fileno(), env))
+                else:
+                    command = [sys.executable, "-c", WORKER_MAIN, str(theirs.fileno()), str(os.getpid())]
+                    self.processes.append(subprocess.Popen(command, env=env, pass_fds=[theirs.fileno()]))
                 theirs.close()
                 self.connections.append(ours)
                 local_rank = rank  # one node: ranks are device indices

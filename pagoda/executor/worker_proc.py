@@ -1,9 +1,10 @@
 """One rank of the multiprocess executor: a Worker in a process of its own, driven by messages.
 
-`MultiprocExecutor` starts it as `python -c "...worker_proc import main; main()" FD PARENT_PID`,
-a fresh interpreter (no fork of a process that may already hold CUDA, and no re-import of the
-user's main module, which multiprocessing's spawn would do), and talks to it over one end of
-a socket pair (FD). Messages are pickled once each: `WorkerInit`, then `WorkerCall`s; every
+`MultiprocExecutor` has it forked by the rank launcher (`rank_launcher`: a process that
+imported the engine once and never touched CUDA), or starts it as `python -c "...worker_proc
+import main; main()" FD PARENT_PID`, a fresh interpreter; never a fork of its own process
+(which may hold CUDA) nor multiprocessing's spawn (which re-imports the user's main module). It
+talks to the rank over one end of a socket pair (FD). Messages are pickled once each: `WorkerInit`, then `WorkerCall`s; every
 call but `execute_model` is answered with a `WorkerReply`, and `execute_model` only by the
 driver rank. The driver's step outputs go out from a sender thread, which waits for the
 sampled ids to reach the host while the main thread launches the next step.
@@ -30,7 +31,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 from pagoda.config import EngineConfig
 from pagoda.process_exit import exit_process, freeze_startup_objects
@@ -191,8 +192,13 @@ def run_worker(connection: Connection) -> int:
     return status
 
 
-def main() -> None:
-    fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+def serve_rank(fd: int, parent_pid: int) -> NoReturn:
+    """Serve the executor's pipe `fd` as a rank that dies with process `parent_pid`, its parent
+    (the executor's process, or the rank launcher that forked it)."""
     _die_with_parent(parent_pid)
     logging.basicConfig(level=os.environ.get("PAGODA_LOG_LEVEL", "WARNING"))
     exit_process(run_worker(Connection(fd)))  # no teardown: a rank stuck in a collective would hang it
+
+
+def main() -> None:
+    serve_rank(int(sys.argv[1]), int(sys.argv[2]))

@@ -248,13 +248,16 @@ def test_server_with_a_killed_rank_reports_it_and_exits_cleanly(tmp_path) -> Non
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == NEW_TOKENS
         core = server.core_pid()
-        workers = [pid for pid in child_pids(core) if b"worker_proc" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        # The ranks are children of the core's rank launcher, forked with its command line.
+        (launcher,) = [pid for pid in child_pids(core) if b"rank_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        workers = child_pids(launcher)
         assert len(workers) == 2
         os.kill(workers[1], signal.SIGKILL)
         killed_at = time.monotonic()
         assert server.process.wait(FAILURE_DEADLINE_S) == 1
         assert time.monotonic() - killed_at < FAILURE_DEADLINE_S
-        assert wait_until(lambda: not any(is_running(pid) for pid in [core, *workers]), FAILURE_DEADLINE_S)
+        processes = [core, launcher, *workers]
+        assert wait_until(lambda: not any(is_running(pid) for pid in processes), FAILURE_DEADLINE_S)
     finally:
         if server.process.poll() is None:
             server.stop()
