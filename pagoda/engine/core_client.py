@@ -24,7 +24,6 @@ import multiprocessing
 import os
 import pickle
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -49,30 +48,30 @@ LIVENESS_POLL_MS = 200
 DEFAULT_UTILITY_TIMEOUT_S = 600.0
 
 
-def core_start_method() -> str:
-    """How the core process starts: forked where that is safe, so that it begins with what this
-    process has imported (torch and transformers cost a spawned core ~5 s of CPU on two cores
-    before it reads its first argument); spawned where a fork is not safe: other threads alive
-    (a lock one holds would stay held in the copy) or CUDA initialized (a forked child cannot use
-    it). `PAGODA_CORE_START_METHOD` (fork or spawn) overrides."""
+def core_start_method(device: str | None) -> str:
+    """How the core process of an engine on `device` starts: forked where that is safe, so that
+    it begins with what this process has imported (torch and transformers cost a spawned core
+    ~5 s of CPU on two cores before it reads its first argument); spawned elsewhere. A fork is
+    safe for a CPU engine (`device` "cpu") from a process with no other thread (a lock another
+    thread holds would stay held in the copy). A CUDA engine's core is always spawned: once this
+    process initialized the CUDA driver (`torch.cuda.is_available()` does, as building the config
+    does, unseen by `torch.cuda.is_initialized()`) a forked child cannot use CUDA.
+    `PAGODA_CORE_START_METHOD` (fork or spawn) overrides."""
     chosen = os.environ.get("PAGODA_CORE_START_METHOD")
     if chosen is not None:
         if chosen not in ("fork", "spawn"):
             raise ValueError(f"PAGODA_CORE_START_METHOD must be fork or spawn, not {chosen!r}")
         return chosen
-    if "fork" not in multiprocessing.get_all_start_methods() or threading.active_count() > 1:
-        return "spawn"
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return "spawn"
-    return "fork"
+    safe = device == "cpu" and "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+    return "fork" if safe else "spawn"
 
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig | Mapping[str, Any], startup_timeout_s: float = 900.0) -> None:
         # Mode 0700: only this user reaches the sockets. The core removes it too when it ends.
         self.ipc_dir = tempfile.mkdtemp(prefix="pagoda-core-")
-        self.start_method = core_start_method()
+        device = config.device_config.device if isinstance(config, EngineConfig) else config.get("device")
+        self.start_method = core_start_method(device)
         logger.debug("engine core: starting it by %s", self.start_method)
         self.process = multiprocessing.get_context(self.start_method).Process(
             target=run_engine_core,

@@ -71,7 +71,7 @@ class MultiprocExecutor(Executor):
         # The workers import pagoda from wherever this process did.
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(pagoda.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        launcher = RankLauncher.shared(env) if launcher_enabled() else None
+        launcher = RankLauncher.shared(env) if launcher_enabled(config.device_config.device) else None
         try:
             for rank in range(self.world_size):
                 ours, theirs = Pipe(duplex=True)

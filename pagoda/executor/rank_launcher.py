@@ -3,10 +3,10 @@
 A rank started as a fresh interpreter imports torch, transformers' config classes and the
 engine before it reads its first message: ~6.8 s of CPU a rank on the 2-core CPU machine, paid
 again by every engine a process builds (TP=2 x PP=2 pays it four times at once). The launcher
-is one fresh interpreter per executor process, started with its first multiprocess executor,
-that imports those modules and then forks one rank per request. Forking it is safe where
-forking the executor's process may not be: it has one thread, never touched CUDA and ran no
-torch op (an OpenMP pool does not survive a fork).
+is one fresh interpreter per executor process, started with its first multiprocess executor on
+the CPU, that imports those modules and then forks one rank per request. Forking it is safe where
+forking the executor's process may not be: it has one thread and ran no torch op (an OpenMP
+pool does not survive a fork). CUDA engines do without it (`launcher_enabled`).
 
 Over a socket pair (one message a packet) the executor sends a rank's working directory and
 environment with the rank's end of its pipe (SCM_RIGHTS); the launcher forks, the child serves
@@ -52,8 +52,16 @@ PRELOAD_MODULES = (
 )
 
 
-def launcher_enabled() -> bool:
-    return os.environ.get(LAUNCHER_ENV, "1") != "0" and hasattr(os, "fork") and hasattr(socket, "send_fds")
+def launcher_enabled(device: str) -> bool:
+    """For CPU engines only: a CUDA engine's ranks start as fresh interpreters, since the
+    launcher's imports might initialize the CUDA driver (`torch.cuda.is_available()` does,
+    unseen by `torch.cuda.is_initialized()`), after which no forked child could use CUDA."""
+    return (
+        device == "cpu"
+        and os.environ.get(LAUNCHER_ENV, "1") != "0"
+        and hasattr(os, "fork")
+        and hasattr(socket, "send_fds")
+    )
 
 
 class LaunchedRank:

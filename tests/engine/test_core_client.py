@@ -236,23 +236,25 @@ def test_sleep_wake_and_weight_updates_run_in_the_core(tiny_llama3: str, tmp_pat
 
 def test_the_core_forks_only_where_that_is_safe(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fork copies one thread: with other threads alive (a lock one holds would stay held in the
-    copy) the core is spawned; the environment variable overrides, and a wrong value is named."""
+    copy) the core is spawned, and a CUDA engine's always (this process's CUDA driver would be
+    unusable in the copy); the environment variable overrides, and a wrong value is named."""
     monkeypatch.delenv("PAGODA_CORE_START_METHOD", raising=False)
     release = threading.Event()
     other = threading.Thread(target=release.wait)
     other.start()
     try:
-        assert core_start_method() == "spawn"
+        assert core_start_method("cpu") == "spawn"
     finally:
         release.set()
         other.join()
     if threading.active_count() == 1:  # pytest-xdist's workers keep threads of their own
-        assert core_start_method() == "fork"
+        assert core_start_method("cpu") == "fork"
+    assert core_start_method("cuda") == core_start_method("auto") == core_start_method(None) == "spawn"
     monkeypatch.setenv("PAGODA_CORE_START_METHOD", "spawn")
-    assert core_start_method() == "spawn"
+    assert core_start_method("cpu") == "spawn"
     monkeypatch.setenv("PAGODA_CORE_START_METHOD", "forkserver")
     with pytest.raises(ValueError, match="PAGODA_CORE_START_METHOD must be fork or spawn"):
-        core_start_method()
+        core_start_method("cpu")
 
 
 def test_a_forked_core_generates_what_the_in_process_core_does(tiny_llama3: str) -> None:
