@@ -356,22 +356,17 @@ def run_serve(args: argparse.Namespace) -> int:
         "enable_sleep_mode": args.enable_sleep_mode,
         **engine_kwargs(args),
     }
-    if kwargs.get("device") == "cpu":
-        from pagoda.engine.arg_utils import create_engine_config
-        from pagoda.entrypoints.openai.api_server import run_server
-
-        config = create_engine_config(**kwargs)
-        return run_server(args, config, EngineCoreClient(config))
-    client = EngineCoreClient(kwargs)
+    spawned_first = None if kwargs.get("device") == "cpu" else EngineCoreClient(kwargs)
     try:
         from pagoda.engine.arg_utils import create_engine_config
         from pagoda.entrypoints.openai.api_server import run_server
 
         config = create_engine_config(**kwargs)
     except BaseException:
-        client.shutdown()
+        if spawned_first is not None:
+            spawned_first.shutdown()
         raise
-    return run_server(args, config, client)
+    return run_server(args, config, spawned_first or EngineCoreClient(config))
 
 
 def add_global_args(parser: argparse.ArgumentParser, default: Any = "INFO") -> None:
