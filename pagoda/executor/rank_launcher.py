@@ -80,21 +80,25 @@ class LaunchedRank:
 
     def poll(self) -> int | None:
         ended = self._pidfd is not None and bool(select.select([self._pidfd], [], [], 0)[0])
-        status = self.launcher.exit_status(self.pid, REPORT_TIMEOUT_S if ended else 0.0)
-        if status is not None and self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-        return status
+        return self._status(REPORT_TIMEOUT_S if ended else 0.0)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = REAP_INTERVAL_S if deadline is None else min(REAP_INTERVAL_S, deadline - time.monotonic())
-            status = self.launcher.exit_status(self.pid, max(left, 0.0))
+            status = self._status(max(left, 0.0))
             if status is not None:
                 return status
             if deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
+
+    def _status(self, timeout_s: float) -> int | None:
+        """The reported exit status (waiting up to `timeout_s`); the pidfd is closed once known."""
+        status = self.launcher.exit_status(self.pid, timeout_s)
+        if status is not None and self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        return status
 
     def kill(self) -> None:
         if self.poll() is None:  # not reaped yet, so the pid is still this rank's

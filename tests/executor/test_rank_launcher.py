@@ -5,6 +5,7 @@ behind when the process that owns the launcher is killed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +17,15 @@ from parallel_utils import ENGINE, FAILURE_DEADLINE_S, greedy, make_prompts
 from server_utils import child_pids, is_running, wait_until
 
 from pagoda.executor.rank_launcher import LAUNCHER_ENV, LaunchedRank, RankLauncher
+
+
+def open_pidfds() -> int:
+    """This process's open pidfds (each rank holds one until its exit status is known)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own, closed since
+            count += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+    return count
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +41,7 @@ def test_engines_share_the_launcher_and_match_fresh_interpreters(start_llm, chec
     monkeypatch.delenv(LAUNCHER_ENV, raising=False)
     prompts = make_prompts()
     launchers, outputs = [], []
+    pidfds = open_pidfds()
     for _ in range(2):
         llm = start_llm(checkpoint, tensor_parallel_size=2, **ENGINE)
         ranks = llm.llm_engine.engine_core.executor.processes
@@ -42,6 +53,7 @@ def test_engines_share_the_launcher_and_match_fresh_interpreters(start_llm, chec
         assert [rank.poll() for rank in ranks] == [0, 0]
         launchers.append(launcher)
     assert launchers[0] is launchers[1] and launchers[0].process.poll() is None
+    assert open_pidfds() == pidfds, "a rank's pidfd outlived its engine"
     monkeypatch.setenv(LAUNCHER_ENV, "0")
     llm = start_llm(checkpoint, tensor_parallel_size=2, **ENGINE)
     assert all(isinstance(rank, subprocess.Popen) for rank in llm.llm_engine.engine_core.executor.processes)
