@@ -340,13 +340,13 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Check what needs no model (port, model given once) first; then start the engine core and
-    build this process's config, tokenizer and app. On the CPU the core forks from this process
-    once it has imported the server and built the config (see `core_start_method`), so torch,
+    build this process's config, tokenizer and app. A core that forks (`core_start_method`: on
+    the CPU) starts once this process has imported the server and built the config, so torch,
     transformers and the engine are imported once for both (benchmarks/RESULTS.md: a third less
     CPU a start, and sooner ready); elsewhere it is spawned first, from the arguments, and
     imports and loads while this process imports the server (ready in 6.9 s instead of 8.7 s
     on two cores, measured with the core spawned after)."""
-    from pagoda.engine.core_client import EngineCoreClient
+    from pagoda.engine.core_client import EngineCoreClient, core_start_method
     from pagoda.entrypoints.openai.cli_args import check_serve_args
 
     check_serve_args(args)
@@ -356,7 +356,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "enable_sleep_mode": args.enable_sleep_mode,
         **engine_kwargs(args),
     }
-    spawned_first = None if kwargs.get("device") == "cpu" else EngineCoreClient(kwargs)
+    spawned_first = None if core_start_method(kwargs.get("device")) == "fork" else EngineCoreClient(kwargs)
     try:
         from pagoda.engine.arg_utils import create_engine_config
         from pagoda.entrypoints.openai.api_server import run_server

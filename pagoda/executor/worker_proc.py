@@ -4,10 +4,11 @@
 imported the engine once and never touched CUDA), or starts it as `python -c "...worker_proc
 import main; main()" FD PARENT_PID`, a fresh interpreter; never a fork of its own process
 (which may hold CUDA) nor multiprocessing's spawn (which re-imports the user's main module). It
-talks to the rank over one end of a socket pair (FD). Messages are pickled once each: `WorkerInit`, then `WorkerCall`s; every
-call but `execute_model` is answered with a `WorkerReply`, and `execute_model` only by the
-driver rank. The driver's step outputs go out from a sender thread, which waits for the
-sampled ids to reach the host while the main thread launches the next step.
+talks to the rank over one end of a socket pair (FD). Messages are pickled once each:
+`WorkerInit`, then `WorkerCall`s; every call but `execute_model` is answered with a
+`WorkerReply`, and `execute_model` only by the driver rank. The driver's step outputs go out
+from a sender thread, which waits for the sampled ids to reach the host while the main thread
+launches the next step.
 
 A failed step replies with the traceback and exits 1 (the other ranks may be stuck in a
 collective: the executor kills them). The process dies with its parent (PR_SET_PDEATHSIG).
