@@ -65,7 +65,7 @@ from pagoda.worker.tagged_memory import TaggedMemoryPool
 if TYPE_CHECKING:
     from pagoda.lora.manager import LoRAManager
     from pagoda.multimodal.encoder_runner import EncoderRunner
-    from pagoda.structured_output.pipeline import GrammarPipeline
+    from pagoda.structured_output.pipeline import GrammarPipeline, MaskRequest
     from pagoda.structured_output.state import GrammarState
 
 logger = logging.getLogger(__name__)
@@ -260,6 +260,8 @@ class GPUModelRunner:
         # it runs while the set is empty).
         self._grammar_req_ids: set[str] = set()
         self._grammar_pipeline: GrammarPipeline | None = None
+        # The last draft-free step's mask requests, by (each sampled row's grammar, logits starts).
+        self._mask_requests: tuple[tuple, list[MaskRequest]] = ((), [])
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
     # ---- setup -------------------------------------------------------------------------
@@ -1390,18 +1392,30 @@ class GPUModelRunner:
         from pagoda.structured_output.pipeline import MaskRequest
 
         batch = self.input_batch
-        requests = []
-        for row, num_drafts, logits_start in zip(
-            inputs.sample_rows.tolist(), inputs.num_drafts.tolist(), inputs.logits_start.tolist(), strict=True
-        ):
-            grammar = self.requests[batch.req_ids[row]].grammar
-            if grammar is None:
-                continue
-            drafts = ()
-            if num_drafts:
-                start = int(batch.num_tokens[row])
-                drafts = batch.token_ids_cpu[row, start : start + num_drafts].tolist()
-            requests.append(MaskRequest(grammar, logits_start, drafts))
+        requests_by_id = self.requests
+        sample_rows = inputs.sample_rows.tolist()
+        grammars = tuple(requests_by_id[batch.req_ids[row]].grammar for row in sample_rows)
+        starts = inputs.logits_start.tolist()
+        if inputs.num_drafts.any():
+            requests = []
+            for row, grammar, num_drafts, logits_start in zip(
+                sample_rows, grammars, inputs.num_drafts.tolist(), starts, strict=True
+            ):
+                if grammar is None:
+                    continue
+                drafts = ()
+                if num_drafts:
+                    start = int(batch.num_tokens[row])
+                    drafts = batch.token_ids_cpu[row, start : start + num_drafts].tolist()
+                requests.append(MaskRequest(grammar, logits_start, drafts))
+        else:
+            # A decode step's rows mostly repeat the last one's: its requests are reused then
+            # (built anew, a tuple a row costs more than the rest of this path).
+            key = (grammars, starts)
+            cached_key, requests = self._mask_requests
+            if key != cached_key:
+                requests = [MaskRequest(g, start) for g, start in zip(grammars, starts, strict=True) if g is not None]
+                self._mask_requests = (key, requests)
         metadata.grammar_bitmask = self._grammars().masks(requests)
 
     def _needs_host_history(self) -> bool:
