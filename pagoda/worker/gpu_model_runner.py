@@ -1409,8 +1409,8 @@ class GPUModelRunner:
                     drafts = batch.token_ids_cpu[row, start : start + num_drafts].tolist()
                 requests.append(MaskRequest(grammar, logits_start, drafts))
         else:
-            # A decode step's rows mostly repeat the last one's: its requests are reused then
-            # (built anew, a tuple a row costs more than the rest of this path).
+            # A decode step's rows mostly repeat the last one's, and so do its requests: reused
+            # then, since building a tuple a row costs more than the rest of this path.
             key = (grammars, starts)
             cached_key, requests = self._mask_requests
             if key != cached_key:
