@@ -89,6 +89,8 @@ def end_to_end(args: argparse.Namespace) -> dict:
         runner._grammar_pipeline.batch = GrammarBatch(args.threads, args.min_rows_per_thread)
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
+    if args.sample_at_once:
+        runner.defers_sampling = False
 
     seconds: dict[str, list[float]] = defaultdict(list)
     num_steps: dict[str, int] = {}
@@ -122,6 +124,7 @@ def end_to_end(args: argparse.Namespace) -> dict:
         "min_rows_per_thread": runner._grammar_pipeline.batch.min_rows_per_thread,
         "threads": len(runner._grammar_pipeline.batch._batches),
         "switch_interval_ms": 1000 * sys.getswitchinterval(),
+        "defers_sampling": runner.defers_sampling,
     }
 
 
@@ -270,6 +273,9 @@ def main() -> None:
         "--switch-interval-ms", type=float, default=None, help="the GIL's switch interval (Python's default: 5)"
     )
     parser.add_argument("--min-rows-per-thread", type=int, default=None, help="GrammarBatch's chunk (default: its own)")
+    parser.add_argument(
+        "--sample-at-once", action="store_true", help="sample each step inside execute_model (no deferred sampling)"
+    )
     parser.add_argument("--vocab-size", type=int, default=151_936, help="--host-only: the model's vocabulary")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
@@ -280,7 +286,8 @@ def main() -> None:
         print(
             f"grammar overhead {100 * result['overhead']:+.1f}% a step ({plain:.2f} -> {grammar:.2f} ms), "
             f"min_rows_per_thread {result['min_rows_per_thread']}, threads {result['threads']}, "
-            f"switch interval {result['switch_interval_ms']:g} ms"
+            f"switch interval {result['switch_interval_ms']:g} ms, "
+            f"sampling {'deferred' if result['defers_sampling'] else 'at once'}"
         )
     if args.result_json:
         with open(args.result_json, "w") as file:

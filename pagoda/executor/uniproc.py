@@ -20,6 +20,7 @@ class UniProcExecutor(Executor):
             rank=0,
             distributed_init_method=config.parallel_config.distributed_init_method,
             is_driver_worker=True,
+            in_process=True,
         )
         self.worker.init_device()
         self.worker.load_model()

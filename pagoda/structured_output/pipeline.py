@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -277,7 +278,8 @@ class GrammarPipeline:
         equal that draft); its drafts are rolled back before this returns."""
         start = time.perf_counter()
         self._settle()
-        early_wait = self._join() if self._needs_join(requests) else 0.0
+        has_drafts = any(map(_DRAFTS, requests))
+        early_wait = self._join() if self._needs_join(requests, has_drafts) else 0.0
         buffers = self._buffers[self._current]
         latest = self._latest if self._latest is not None and self._latest.buffer == self._current else None
         running = latest is not None and not latest.future.done()
@@ -291,23 +293,27 @@ class GrammarPipeline:
         starts: list[int] = []
         word_rows: list[int] = []
         pending: list[GrammarState] = []
-        for request in requests:
-            state = request.state
-            if request.drafts:
-                continue
-            row = rows_of.get(id(state))
-            if row is not None and (versions is None or versions[row] == state.version):
-                reused_starts.append(request.logits_start)
-                reused_rows.append(row)
-            elif state.active:
-                starts.append(request.logits_start)
-                word_rows.append(free + len(pending))
-                pending.append(state)
+        if not has_drafts and _job_covers(latest, requests, versions):
+            reused_starts = list(map(_LOGITS_START, requests))
+            reused_rows = list(range(len(requests)))
+        else:
+            for request in requests:
+                state = request.state
+                if request.drafts:
+                    continue
+                row = rows_of.get(id(state))
+                if row is not None and (versions is None or versions[row] == state.version):
+                    reused_starts.append(request.logits_start)
+                    reused_rows.append(row)
+                elif state.active:
+                    starts.append(request.logits_start)
+                    word_rows.append(free + len(pending))
+                    pending.append(state)
         batch = self._loop_batch if self._jobs else self.batch
         if pending:
             batch.fill_bitmask(pending, buffers.host[free : free + len(pending)])
         free += len(pending)
-        for request in requests:
+        for request in requests if has_drafts else ():
             if request.drafts:
                 free = self._fill_positions(request, free, starts, word_rows, batch, buffers.host)
         self._latest = None  # its rows are read (or stale): the next job writes the other buffer
@@ -340,7 +346,7 @@ class GrammarPipeline:
             stats.prefilled_rows += len(reused_rows)
         return bitmask
 
-    def _needs_join(self, requests: list[MaskRequest]) -> bool:
+    def _needs_join(self, requests: list[MaskRequest], has_drafts: bool) -> bool:
         """Whether the loop must wait for the thread: it needs a state a job holds (a verify
         row's, to try its drafts; one in a job before the latest, whose rows are gone), or the
         latest job wrote another buffer than this step reads."""
@@ -350,6 +356,8 @@ class GrammarPipeline:
         if latest.buffer != self._current:
             return True
         older = {key for job in list(self._jobs)[:-1] for key in job.rows_of}
+        if not older and not has_drafts:  # the common step: one job in flight, no verify row
+            return False
         held = latest.rows_of
         return any(id(request.state) in older or (request.drafts and id(request.state) in held) for request in requests)
 
@@ -408,6 +416,20 @@ class GrammarPipeline:
     def shutdown(self) -> None:
         self.join()
         self._thread.shutdown(wait=False)
+
+
+_STATE = itemgetter(0)
+_LOGITS_START = itemgetter(1)
+_DRAFTS = itemgetter(2)
+
+
+def _job_covers(job: _Job | None, requests: list[MaskRequest], versions: list[int] | None) -> bool:
+    """Whether the job filled every request's mask, in the requests' order, and each still
+    holds (`versions`: the job's, None while it runs): a steady decode step. Checked with C
+    loops over the rows instead of a Python one."""
+    if job is None or len(job.states) != len(requests) or job.states != tuple(map(_STATE, requests)):
+        return False
+    return versions is None or versions == [state.version for state in job.states]
 
 
 def _wait(event: torch.cuda.Event | None) -> None:

@@ -147,3 +147,29 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             draft_token_ids=draft_token_ids,
             kv_connector_output=self.kv_connector_output,
         )
+
+
+class DeferredSampleOutput(AsyncModelRunnerOutput):
+    """A step whose forward is queued and whose sampling is not yet: the runner queues it
+    (`sample`, once) at the start of its next step, or here when the step is resolved first.
+
+    Why: a step under grammars samples through masks that need the previous step's ids on
+    the host and the grammar thread's work on them. Sampling at the end of `execute_model`
+    puts that wait between the forward's launch and the engine's work on the previous step's
+    outputs; sampling at the next step's start lets both run at once, ahead of the next
+    forward. Only for a runner whose outputs are resolved on its own thread (in-process)."""
+
+    def __init__(self, sample: Callable[[], ModelRunnerOutput | AsyncModelRunnerOutput]) -> None:
+        self._sample: Callable[[], ModelRunnerOutput | AsyncModelRunnerOutput] | None = sample
+        self._sampled: ModelRunnerOutput | AsyncModelRunnerOutput | None = None
+
+    def sample(self) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Queue the step's sampling (the first call only) and return its output."""
+        if self._sample is not None:
+            self._sampled, self._sample = self._sample(), None
+        assert self._sampled is not None
+        return self._sampled
+
+    def get_output(self) -> ModelRunnerOutput:
+        output = self.sample()
+        return output.get_output() if isinstance(output, AsyncModelRunnerOutput) else output

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -50,7 +51,7 @@ from pagoda.spec_decode.draft_model import DraftModelProposer
 from pagoda.spec_decode.proposer import make_drafter
 from pagoda.spec_decode.verification import verify_drafts
 from pagoda.structured_output.spec import GrammarSpec
-from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
+from pagoda.worker.async_output import AsyncGPUModelRunnerOutput, DeferredSampleOutput
 from pagoda.worker.behind_verify import BehindVerify, StagedRows, staged_sizes
 from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer, PackedStaging
 from pagoda.worker.cuda_graph import BatchDescriptor, CudaGraphManager, CUDAGraphMode, default_capture_sizes
@@ -64,7 +65,7 @@ from pagoda.worker.tagged_memory import TaggedMemoryPool
 if TYPE_CHECKING:
     from pagoda.lora.manager import LoRAManager
     from pagoda.multimodal.encoder_runner import EncoderRunner
-    from pagoda.structured_output.pipeline import GrammarPipeline
+    from pagoda.structured_output.pipeline import GrammarPipeline, MaskRequest
     from pagoda.structured_output.state import GrammarState
 
 logger = logging.getLogger(__name__)
@@ -231,6 +232,11 @@ class GPUModelRunner:
         self.drafter: DraftModelProposer | None = make_drafter(self, speculative)
         self.logits_start = buffer(self.max_num_reqs, torch.int64)
         self.async_scheduling = bool(config.scheduler_config.async_scheduling)
+        # Set by an in-process caller (one that resolves outputs on this thread): a step under
+        # grammars may then return before sampling and sample at the next call (see
+        # DeferredSampleOutput). Ranks in worker processes resolve outputs on a sender thread.
+        self.defers_sampling = False
+        self._deferred_sample: DeferredSampleOutput | None = None
         # The last step's output while its ids may still be only on the device.
         self._pending_output: AsyncGPUModelRunnerOutput | None = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -254,6 +260,8 @@ class GPUModelRunner:
         # it runs while the set is empty).
         self._grammar_req_ids: set[str] = set()
         self._grammar_pipeline: GrammarPipeline | None = None
+        # The last draft-free step's mask requests, by (each sampled row's grammar, logits starts).
+        self._mask_requests: tuple[tuple, list[MaskRequest]] = ((), [])
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
     # ---- setup -------------------------------------------------------------------------
@@ -1384,18 +1392,30 @@ class GPUModelRunner:
         from pagoda.structured_output.pipeline import MaskRequest
 
         batch = self.input_batch
-        requests = []
-        for row, num_drafts, logits_start in zip(
-            inputs.sample_rows.tolist(), inputs.num_drafts.tolist(), inputs.logits_start.tolist(), strict=True
-        ):
-            grammar = self.requests[batch.req_ids[row]].grammar
-            if grammar is None:
-                continue
-            drafts = ()
-            if num_drafts:
-                start = int(batch.num_tokens[row])
-                drafts = batch.token_ids_cpu[row, start : start + num_drafts].tolist()
-            requests.append(MaskRequest(grammar, logits_start, drafts))
+        requests_by_id = self.requests
+        sample_rows = inputs.sample_rows.tolist()
+        grammars = tuple(requests_by_id[batch.req_ids[row]].grammar for row in sample_rows)
+        starts = inputs.logits_start.tolist()
+        if inputs.num_drafts.any():
+            requests = []
+            for row, grammar, num_drafts, logits_start in zip(
+                sample_rows, grammars, inputs.num_drafts.tolist(), starts, strict=True
+            ):
+                if grammar is None:
+                    continue
+                drafts = ()
+                if num_drafts:
+                    start = int(batch.num_tokens[row])
+                    drafts = batch.token_ids_cpu[row, start : start + num_drafts].tolist()
+                requests.append(MaskRequest(grammar, logits_start, drafts))
+        else:
+            # A decode step's rows mostly repeat the last one's, and so do its requests: reused
+            # then, since building a tuple a row costs more than the rest of this path.
+            key = (grammars, starts)
+            cached_key, requests = self._mask_requests
+            if key != cached_key:
+                requests = [MaskRequest(g, start) for g, start in zip(grammars, starts, strict=True) if g is not None]
+                self._mask_requests = (key, requests)
         metadata.grammar_bitmask = self._grammars().masks(requests)
 
     def _needs_host_history(self) -> bool:
@@ -1406,13 +1426,15 @@ class GPUModelRunner:
     @torch.inference_mode()
     def execute_model(
         self, scheduler_output: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
-    ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput | IntermediateTensors:
+    ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput | DeferredSampleOutput | IntermediateTensors:
         """One step. With async scheduling the output's ids may still be in flight; the caller
-        resolves it with `get_output()` (at the latest before the step after next).
+        resolves it with `get_output()` (at the latest before the step after next). With
+        `defers_sampling`, a step under grammars returns before it samples (at the next call).
 
         A pipeline stage after the first starts from `intermediate_tensors` (received into
         `intermediate_tensors(num_input_tokens)`); a stage before the last returns the tensors
         for the next stage and samples nothing."""
+        self._sample_deferred()
         # First: a save of blocks this step reuses must be queued before the block zeroer runs.
         self.kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
         if self.kv_connector.can_skip_forward(scheduler_output):
@@ -1458,6 +1480,24 @@ class GPUModelRunner:
             )
             pooled.kv_connector_output = self.kv_connector.get_finished()
             return pooled
+        if self.defers_sampling and self.async_scheduling and self._grammar_req_ids:
+            self._deferred_sample = DeferredSampleOutput(
+                partial(self._sample_and_record, inputs, hidden_states, post_model_execute_cb)
+            )
+            return self._deferred_sample
+        output = self._sample_and_record(inputs, hidden_states, post_model_execute_cb)
+        if not self.async_scheduling and isinstance(output, AsyncGPUModelRunnerOutput):
+            return output.get_output()
+        return output
+
+    @torch.inference_mode()
+    def _sample_and_record(
+        self,
+        inputs: PreparedInputs,
+        hidden_states: torch.Tensor,
+        post_model_execute_cb: Callable[[], None] | None,
+    ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
+        """The step after its forward: masks, sampling, drafts, and the step's record."""
         self._fill_grammar_bitmask(inputs)
         sampler_output = self._sample(hidden_states, inputs)
         drafts = None
@@ -1468,6 +1508,11 @@ class GPUModelRunner:
         output.kv_connector_output = self.kv_connector.get_finished()
         if post_model_execute_cb is not None:
             post_model_execute_cb()
-        if not self.async_scheduling and isinstance(output, AsyncGPUModelRunnerOutput):
-            return output.get_output()
         return output
+
+    def _sample_deferred(self) -> None:
+        """Queue the previous step's deferred sampling, if any (before this step touches the
+        batch it read)."""
+        if self._deferred_sample is not None:
+            self._deferred_sample.sample()
+            self._deferred_sample = None

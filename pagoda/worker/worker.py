@@ -44,7 +44,11 @@ class Worker:
         distributed_init_method: str | None,
         is_driver_worker: bool = False,
         return_hidden_states: bool = False,
+        in_process: bool = False,
     ) -> None:
+        """`in_process`: the engine core calls this worker on its own thread and resolves its
+        outputs there, so a step may leave its sampling to the next call
+        (`GPUModelRunner.defers_sampling`); worker processes send outputs from another thread."""
         self.config = config
         self.parallel_config = config.parallel_config
         self.scheduler_config = config.scheduler_config
@@ -56,6 +60,7 @@ class Worker:
         self.is_driver_worker = is_driver_worker
         # Pipeline stages that are not last hand hidden states on instead of sampling.
         self.return_hidden_states = return_hidden_states
+        self.in_process = in_process
         self.model_runner: GPUModelRunner | None = None
         self.memory_pool: TaggedMemoryPool | None = None
         self.device: torch.device | None = None
@@ -93,6 +98,7 @@ class Worker:
         # Weights and KV cache in tagged memory only when sleep mode may release them.
         self.memory_pool = TaggedMemoryPool(self.device) if self.cache_config.enable_sleep_mode else None
         self.model_runner = GPUModelRunner(self.config, self.device, self.memory_pool)
+        self.model_runner.defers_sampling = self.in_process
 
     def _check_free_memory(self) -> int:
         """Device bytes in use outside this process's torch allocator (other processes', this

@@ -25,6 +25,7 @@ from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.structured_output.backend import GrammarBackend, get_backend
 from pagoda.structured_output.spec import GrammarSpec
 from pagoda.structured_output.state import GrammarState
+from pagoda.worker.async_output import DeferredSampleOutput
 
 
 def _schemas() -> list[dict]:
@@ -386,7 +387,9 @@ def test_async_pipelining_keeps_outputs_under_a_grammar_that_changes_every_step(
     """Under async scheduling each step's masks are filled on the pipeline's thread from the
     grammars advanced over the previous step's ids: letters and digits alternate here, so a mask
     one step stale would allow the wrong half (the sample refused, the output off its grammar).
-    On CUDA only the grammar is checked (the device's logits may differ with the batch's size)."""
+    The in-process runner samples such steps at its next call (`defers_sampling`): the same
+    tokens as sampling at once, and as the synchronous engine. On CUDA only the grammar is
+    checked (the device's logits may differ with the batch's size)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     structured = StructuredOutputsParams(regex=r"([a-e][0-4]){6}")
@@ -395,8 +398,8 @@ def test_async_pipelining_keeps_outputs_under_a_grammar_that_changes_every_step(
         SamplingParams(temperature=0.9 if i % 2 else 0, seed=i, max_tokens=16, structured_outputs=structured)
         for i in range(4)
     ]
-    results = []
-    for async_scheduling in (False, True):
+    results, deferred_steps = [], []
+    for async_scheduling, defers_sampling in ((False, True), (True, True), (True, False)):
         llm = LLM(
             model=tiny_path,
             device=device,
@@ -405,14 +408,29 @@ def test_async_pipelining_keeps_outputs_under_a_grammar_that_changes_every_step(
             num_gpu_blocks=64,  # a memory-sized pool on a GPU is millions of blocks to build
             async_scheduling=async_scheduling,
         )
+        runner = llm.llm_engine.engine_core.executor.worker.model_runner
+        runner.defers_sampling = defers_sampling
+        execute_model = runner.execute_model
+        outputs = []
+
+        def spy(*args, execute_model=execute_model, outputs=outputs):
+            outputs.append(execute_model(*args))
+            return outputs[-1]
+
+        runner.execute_model = spy
         results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in generate(llm, prompts, params)])
-        stats = llm.llm_engine.engine_core.executor.worker.model_runner._grammar_pipeline.stats
+        deferred_steps.append(sum(isinstance(output, DeferredSampleOutput) for output in outputs))
+        stats = runner._grammar_pipeline.stats
         llm.shutdown()
+        if async_scheduling:
+            assert stats.prefilled_rows >= 4 * 10  # the masks came from the thread, not the loop
+    assert deferred_steps[0] == deferred_steps[2] == 0
+    assert deferred_steps[1] >= 12  # each of the 13 sampling steps but the last, at least
     if device == "cpu":  # batch-invariant logits (float32 on the CPU): the very same tokens
-        assert results[1] == results[0]
-    for token_ids, finish_reason in results[1]:
-        assert finish_reason == "stop" and re.fullmatch(r"([a-e][0-4]){6}", bytes(token_ids[:-1]).decode())
-    assert stats.prefilled_rows >= 4 * 10  # the async run's masks came from the thread, not the loop
+        assert results[1] == results[0] and results[2] == results[0]
+    for result in results:
+        for token_ids, finish_reason in result:
+            assert finish_reason == "stop" and re.fullmatch(r"([a-e][0-4]){6}", bytes(token_ids[:-1]).decode())
 
 
 def test_a_model_vocabulary_padded_past_the_tokenizer_s(tmp_path) -> None:

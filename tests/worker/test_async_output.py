@@ -1,4 +1,5 @@
-"""`AsyncGPUModelRunnerOutput`'s vectorized host paths equal their per-request definitions."""
+"""`AsyncGPUModelRunnerOutput`'s vectorized host paths equal their per-request definitions; a
+deferred step samples once."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagoda.worker.async_output import AsyncGPUModelRunnerOutput
+from pagoda.worker.async_output import AsyncGPUModelRunnerOutput, DeferredSampleOutput
 
 
 def make_output(req_ids: list[str], sample_rows: list[int], sampled: list[list[int]]) -> AsyncGPUModelRunnerOutput:
@@ -89,3 +90,23 @@ def test_rows_behind_a_verify_step_get_their_positions_with_the_ids() -> None:
     result = output.get_output()
     assert seen == {"positions": [9, 18], "ids": [[5, -1, -1], [6, 7, -1]]}
     assert result.sampled_token_ids == [[5], [6, 7]] and result.draft_token_ids == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize("resolved_first", [False, True])
+def test_a_deferred_step_samples_once_whoever_asks_first(resolved_first: bool) -> None:
+    """The runner's next call or the engine's resolve, whichever comes first, queues the
+    sampling; the other finds it done, and both see the same output."""
+    calls = []
+
+    def sample() -> AsyncGPUModelRunnerOutput:
+        calls.append(1)
+        return make_output(["a", "b"], [0, 1], [[4], [7]])
+
+    deferred = DeferredSampleOutput(sample)
+    assert not calls
+    if not resolved_first:
+        sampled = deferred.sample()
+        assert calls == [1] and deferred.sample() is sampled
+    result = deferred.get_output()
+    assert deferred.get_output() is result and deferred.sample().get_output() is result
+    assert calls == [1] and result.sampled_token_ids == [[4], [7]]
