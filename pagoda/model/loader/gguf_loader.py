@@ -192,7 +192,8 @@ def iter_gguf_weights(
     path: str, hf_config: PretrainedConfig, linears: str = "dequantized"
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the file, one at a time: float32, dequantized, or
-    each Q4_0/Q4_1 linear weight (`linears`, a resolved `gguf_weights`) as its int4 groups
+    each Q4_0/Q4_1 linear weight (`linears`, a resolved `gguf_weights`; any other value
+    dequantizes) as its int4 groups
     ("quantized": `<layer>.qweight`, `.weight_scale`, `.weight_zero`, what `Int4LinearMethod`
     registers) or as the file's blocks ("blocks": `<layer>.gguf_blocks`, uint8 [N, row bytes],
     what `GGUFBlockLinearMethod` registers)."""
@@ -208,7 +209,7 @@ def iter_gguf_weights(
         block_part = _block_part(tensor.name)
         heads = heads_of_permuted.get(block_part[1]) if block_part is not None else None
         name = hf_weight_name(tensor.name)
-        if linears != "dequantized" and _is_linear_weight(tensor.name) and ggml_type in HAS_MIN:
+        if linears in ("quantized", "blocks") and _is_linear_weight(tensor.name) and ggml_type in HAS_MIN:
             base = name.removesuffix(".weight")
             if linears == "blocks":
                 blocks = torch.from_numpy(np.array(raw))  # a copy: the file's map is read-only
