@@ -145,9 +145,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows, linear_ms, kernel_ms = [], 0.0, 0.0
     with tempfile.TemporaryDirectory() as directory:
-        q8_0 = build_q8_0(Path(directory))
+        # First: the engine's kernels load the process's libgomp with its default wait policy
+        # (gguf_kernels.py says why), which the prototype then shares.
         if gguf_kernels.load() is None:
             raise SystemExit(f"the engine's GGUF kernels cannot run here: {gguf_kernels.unavailable_reason()}")
+        q8_0 = build_q8_0(Path(directory))
         for n, k, kind, layers in SHAPES:
             r = measure(q8_0, n, k, kind, args.iters)
             linear_ms += layers * r["linear_us"] / 1000
