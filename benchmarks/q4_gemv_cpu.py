@@ -2,7 +2,7 @@
 
 SmolLM2-135M's shapes, as GGUF blocks of random weights (`gguf.quants.quantize`): its Q4_1
 linears through the engine's kernel (`gguf_kernels.q4_matmul`, what `gguf_weights="blocks"`
-runs), and its Q8_0 LM head through a prototype kernel built here (the engine keeps that head
+runs, on one thread), and its Q8_0 LM head through a prototype kernel built here (the engine keeps that head
 dequantized), each against float32 `F.linear` over the weights dequantized up front. Both
 kernels dequantize each block as the loader does, so their error against a float64 product is
 that of any float32 GEMV. Every weight is cycled through enough copies to miss the caches, as a
@@ -145,8 +145,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows, linear_ms, kernel_ms = [], 0.0, 0.0
     with tempfile.TemporaryDirectory() as directory:
-        # First: the engine's kernels load the process's libgomp with its default wait policy
-        # (gguf_kernels.py says why), which the prototype then shares.
         if gguf_kernels.load() is None:
             raise SystemExit(f"the engine's GGUF kernels cannot run here: {gguf_kernels.unavailable_reason()}")
         q8_0 = build_q8_0(Path(directory))

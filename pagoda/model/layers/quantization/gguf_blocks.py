@@ -6,9 +6,10 @@ of 265 MB of float32. Up to `MAX_KERNEL_TOKENS` tokens a step, `gguf_kernels.q4_
 the blocks directly; a larger step dequantizes the layer into a float32 scratch
 (`gguf_kernels.q4_dequantize`, ~0.1-0.3 ms a SmolLM2 layer) and runs one GEMM, where the 4-bit
 read no longer dominates. Both dequantize exactly as the loader does, so the weights are the
-dequantized path's bit for bit. On the 2-core AVX2 machine (benchmarks/cpu_decode.py, float32):
-a single stream 63-51 ms a token against 71-67 dequantized; 32 streams 83-94 tok/s against
-91-105 (each step dequantizes every layer again); resident memory 717 MiB against 1,048.
+dequantized path's bit for bit. On the 2-core AVX2 machine (benchmarks/cpu_decode.py, float32,
+two rounds alternating): a single stream 49.8 / 48.8 ms a token against 65.1 / 62.7
+dequantized; 32 streams 100.3 / 102.8 tok/s against 112.2 / 108.4 (each such step dequantizes
+every layer again); resident memory 715 MiB against 1,049.
 
 One rank only: a row-parallel layer would split each row's blocks by bytes, which the layers'
 loaders do not do (config.py refuses "blocks" with tensor parallelism).

@@ -4,7 +4,8 @@ Why C: at decode sizes a float32 GEMV reads 4 bytes a weight at the CPU's memory
 and the 4-bit blocks hold 0.625; neither ATen's int4 kernel (slower than float32 `F.linear` on
 AVX2, see config.py) nor an inductor-compiled dequantize-and-sum (5x slower than `F.linear`)
 reads them at that speed, and a direct AVX2 loop does (benchmarks/q4_gemv_cpu.py, RESULTS.md
-2026-12-07: SmolLM2's GEMVs a token 50.7 -> 11.4 ms). Each block is dequantized with the
+2026-12-07: SmolLM2's GEMVs a token 50.7 -> 11.4 ms with its prototype on two threads; in the
+engine, on one thread, its 4-bit layers take ~16 ms a token). Each block is dequantized with the
 loader's float32 operations (d (q - 8); d q + m: a product, then a sum, `-ffp-contract=off`),
 so the weights are the dequantized path's bit for bit and only the sums' order differs.
 
@@ -166,7 +167,7 @@ def _build_and_load() -> ctypes.CDLL | None:
                 built = Path(scratch) / library.name
                 subprocess.run(["cc", *_FLAGS, str(source), "-o", str(built)], check=True, capture_output=True)
                 os.replace(built, library)  # whole or absent, whichever process builds it
-        kernels = _load_with_default_wait_policy(library)
+        kernels = ctypes.CDLL(str(library))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = (
             error.stderr.decode(errors="replace")[-500:] if isinstance(error, subprocess.CalledProcessError) else error
@@ -180,23 +181,12 @@ def _build_and_load() -> ctypes.CDLL | None:
     return kernels
 
 
-def _load_with_default_wait_policy(library: Path) -> ctypes.CDLL:
-    """Load the kernels with OpenMP's default wait policy for their thread team (the system's
-    libgomp, which reads it when loaded). pagoda sets OMP_WAIT_POLICY=PASSIVE for torch's team
-    (spinning threads hurt a loaded machine); here that would put the team to sleep after every
-    call, and a decode step calls ~120 layers back to back: waking it each time took SmolLM2's
-    4-bit GEMVs from 15.7 to 23.5 ms a token. The default spins ~300k iterations, then sleeps."""
-    policy = os.environ.pop("OMP_WAIT_POLICY", None)
-    try:
-        return ctypes.CDLL(str(library))
-    finally:
-        if policy is not None:
-            os.environ["OMP_WAIT_POLICY"] = policy
-
-
 def q4_matmul(kernels: ctypes.CDLL, blocks: torch.Tensor, x: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """x [M, K] float32 (contiguous) times the weight whose rows are `blocks` (uint8 [N, K / 32
-    * block bytes], the file's bytes) transposed: float32 [M, N]."""
+    * block bytes], the file's bytes) transposed: float32 [M, N]. On one thread: a decode step's
+    layers are small (40-300 us each), and a second OpenMP team beside torch's cost more than it
+    split (SmolLM2 on the 2-core machine, in the engine: 22.4-23.4 ms of these calls a token on
+    two threads, 15.9-17.0 on one, either wait policy)."""
     m, k = x.shape
     n = blocks.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
