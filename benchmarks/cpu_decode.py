@@ -6,7 +6,7 @@
 - single: one 32-id prompt -> `--output-len` tokens at batch 1; wall ms per token.
 
 Each round prints the load average beside its figures: on a shared machine compare runs made
-back to back. `--gguf-weights quantized|dequantized` picks how the GGUF's Q4_1 linears load
+back to back. `--gguf-weights quantized|blocks|dequantized` picks how the GGUF's Q4_1 linears load
 (the engine's default is quantized on the CPU); the resident memory (VmRSS) is printed after
 loading and after the last round. torch is imported after pagoda, as the CLI does, so pagoda's OpenMP wait policy
 applies. `--cpu-threads` and `--gguf-weights` are passed to the engine only when given, so the script also runs
@@ -40,7 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--cpu-threads", type=int, default=None)
-    parser.add_argument("--gguf-weights", choices=["auto", "quantized", "dequantized"], default=None)
+    parser.add_argument("--gguf-weights", choices=["auto", "quantized", "blocks", "dequantized"], default=None)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-single", action="store_true", help="batch workload only")

@@ -1,15 +1,14 @@
-"""GGUF weights kept as blocks on the CPU (#25): how fast a one-token GEMV can read them.
+"""GGUF weights kept as blocks on the CPU (#25): how fast a one-token GEMV reads them.
 
-A prototype AVX2 kernel (C, built here with the system's compiler, loaded with ctypes) for
-GGUF's Q4_1 (32 nibbles, a scale and a minimum a block) and Q8_0 (32 int8, a scale) against
-float32 `F.linear` over the weights dequantized up front, which is what the engine runs today.
-The kernel dequantizes each block exactly as the loader does (w = d * q + m: a product, then a
-sum, no fused multiply-add) and accumulates w * x in float32, so its error against a float64
-product is that of any float32 GEMV. Shapes are SmolLM2-135M's; every weight is cycled through
-enough copies to miss the caches, as a decode step does. Not an engine path yet: the figures
-decide whether one is worth building.
+SmolLM2-135M's shapes, as GGUF blocks of random weights (`gguf.quants.quantize`): its Q4_1
+linears through the engine's kernel (`gguf_kernels.q4_matmul`, what `gguf_weights="blocks"`
+runs, on one thread), and its Q8_0 LM head through a prototype kernel built here (the engine keeps that head
+dequantized), each against float32 `F.linear` over the weights dequantized up front. Both
+kernels dequantize each block as the loader does, so their error against a float64 product is
+that of any float32 GEMV. Every weight is cycled through enough copies to miss the caches, as a
+decode step does.
 
-    PYTHONPATH=. python benchmarks/q4_gemv_cpu.py
+    PYTHONPATH=. python benchmarks/q4_gemv_cpu.py [--threads 1]
 """
 
 from __future__ import annotations
@@ -22,101 +21,67 @@ import tempfile
 import time
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-KERNELS = r"""
+from pagoda.model.layers.quantization import gguf_kernels
+from pagoda.model.loader.gguf_int4 import Q8_0, dequantize
+
+Q8_0_KERNEL = r"""
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-
-/* y[n] = sum_k (d[n,g] q[n,k] + m[n,g]) x[k], g = k / 32; q [N, K/2] in GGUF's block order
-   (byte j of a block: element j in its low nibble, element j + 16 in its high one). */
-void q4_1_gemv(const uint8_t* q, const float* d, const float* m, const float* x, float* y, int N, int K) {
+/* y[n] = sum_k d q x over Q8_0 blocks (34 bytes: fp16 d, 32 int8), rows of K / 32 blocks. */
+void q8_0_gemv(const uint8_t* w, const float* x, float* y, int N, int K, int threads) {
     const int G = K / 32;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) num_threads(threads)
     for (int n = 0; n < N; n++) {
-        const uint8_t* qr = q + (int64_t)n * (K / 2);
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        const __m128i low = _mm_set1_epi8(0x0F);
-        for (int g = 0; g < G; g++) {
-            __m128i bytes = _mm_loadu_si128((const __m128i*)(qr + g * 16));
-            __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-            __m256 vd = _mm256_set1_ps(d[(int64_t)n * G + g]), vm = _mm256_set1_ps(m[(int64_t)n * G + g]);
-            const float* xg = x + g * 32;
-            __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-            for (int p = 0; p < 4; p++) {
-                __m256 w = _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]))), vm);
-                if (p % 2) acc1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + 8 * p), acc1);
-                else acc0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + 8 * p), acc0);
-            }
-        }
-        y[n] = hsum(_mm256_add_ps(acc0, acc1));
-    }
-}
-
-/* y[n] = sum_k d[n,g] q[n,k] x[k]; q [N, K] int8. */
-void q8_0_gemv(const int8_t* q, const float* d, const float* x, float* y, int N, int K) {
-    const int G = K / 32;
-    #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const int8_t* qr = q + (int64_t)n * K;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         for (int g = 0; g < G; g++) {
-            __m256 vd = _mm256_set1_ps(d[(int64_t)n * G + g]);
-            __m256i bytes = _mm256_loadu_si256((const __m256i*)(qr + g * 32));
-            const float* xg = x + g * 32;
-            __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
+            const uint8_t* block = w + ((int64_t)n * G + g) * 34;
+            uint16_t h;
+            memcpy(&h, block, 2);
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(h));
+            const __m256i q = _mm256_loadu_si256((const __m256i*)(block + 2));
+            const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
             for (int p = 0; p < 4; p++) {
-                __m128i part = p % 2 ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2];
-                __m256 w = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part)));
-                if (p % 2) acc1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + 8 * p), acc1);
-                else acc0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + 8 * p), acc0);
+                const __m128i part = p % 2 ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2];
+                const __m256 wv = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part)));
+                const __m256 xv = _mm256_loadu_ps(x + g * 32 + 8 * p);
+                if (p % 2) acc1 = _mm256_fmadd_ps(wv, xv, acc1);
+                else acc0 = _mm256_fmadd_ps(wv, xv, acc0);
             }
         }
-        y[n] = hsum(_mm256_add_ps(acc0, acc1));
+        const __m256 sum = _mm256_add_ps(acc0, acc1);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        s = _mm_hadd_ps(s, s);
+        y[n] = _mm_cvtss_f32(_mm_hadd_ps(s, s));
     }
 }
 """
 
 # (rows, columns, GGUF type, layers of it per token): SmolLM2-135M's weights.
 SHAPES = (
-    (960, 576, "Q4_1", 30),  # q, k, v together
-    (576, 576, "Q4_1", 30),  # attention output
-    (3072, 576, "Q4_1", 30),  # gate and up together
-    (576, 1536, "Q4_1", 30),  # down
-    (49152, 576, "Q8_0", 1),  # the LM head (tied to the Q8_0 embedding)
+    (960, 576, gguf.GGMLQuantizationType.Q4_1, 30),  # q, k, v together
+    (576, 576, gguf.GGMLQuantizationType.Q4_1, 30),  # attention output
+    (3072, 576, gguf.GGMLQuantizationType.Q4_1, 30),  # gate and up together
+    (576, 1536, gguf.GGMLQuantizationType.Q4_1, 30),  # down
+    (49152, 576, gguf.GGMLQuantizationType.Q8_0, 1),  # the LM head (tied to the Q8_0 embedding)
 )
 
 
-def build(directory: Path) -> ctypes.CDLL:
-    compiler = shutil.which("cc") or shutil.which("gcc")
+def build_q8_0(directory: Path) -> ctypes.CDLL:
+    compiler = shutil.which("cc")
     if compiler is None:
-        raise SystemExit("no C compiler on PATH: this benchmark builds its kernels with one")
-    source, library = directory / "gguf_gemv.c", directory / "gguf_gemv.so"
-    source.write_text(KERNELS)
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+        raise SystemExit("no C compiler on PATH: this benchmark builds its Q8_0 kernel with one")
+    source, library = directory / "q8_0.c", directory / "q8_0.so"
+    source.write_text(Q8_0_KERNEL)
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
     subprocess.run([compiler, *flags, str(source), "-o", str(library)], check=True)
     return ctypes.CDLL(str(library))
-
-
-def quantized(n: int, k: int, kind: str) -> tuple[torch.Tensor, ...]:
-    """Random blocks of `kind` (scales and minimums fp16 values) and their float32 dequantization."""
-    groups = k // 32
-    d = (torch.rand(n, groups) * 0.02).half().float()
-    if kind == "Q8_0":
-        q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-        return (q, d), (d.repeat_interleave(32, 1) * q.float())
-    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    m = (-torch.rand(n, groups) * 0.1).half().float()
-    blocks = q.view(n, groups, 16)
-    values = torch.cat([blocks & 15, blocks >> 4], -1).float().view(n, k)
-    return (q, d, m), (d.repeat_interleave(32, 1) * values + m.repeat_interleave(32, 1))
 
 
 def timed(fn, iters: int) -> float:
@@ -129,26 +94,45 @@ def timed(fn, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def measure(library: ctypes.CDLL, n: int, k: int, kind: str, iters: int) -> dict[str, float]:
+def measure(q8_0: ctypes.CDLL, n: int, k: int, qtype: gguf.GGMLQuantizationType, iters: int) -> dict[str, float]:
     """One weight shape: both GEMVs' microseconds and their largest errors against float64."""
-    blocks, weight = quantized(n, k, kind)
-    x, y = torch.randn(k), torch.empty(n)
-    kernel = library.q8_0_gemv if kind == "Q8_0" else library.q4_1_gemv
+    rng = np.random.default_rng(n + k)
+    raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), qtype)
+    weight = dequantize(raw, int(qtype)).view(n, k)
+    x = torch.randn(k)
     copies = max(2, int(64e6 // weight.nbytes))  # together past the last-level cache
     weights = [weight.clone() for _ in range(copies)]
-    keep_alive = [[b.clone() for b in blocks] for _ in range(copies)]
-    pointer_sets = [[ctypes.c_void_p(t.data_ptr()) for t in (*kept, x, y)] for kept in keep_alive]
+    block_copies = [torch.from_numpy(raw.copy()) for _ in range(copies)]
+    if qtype == Q8_0:
+        y = torch.empty(n)
+        threads = torch.get_num_threads()
+
+        def kernel(blocks: torch.Tensor) -> torch.Tensor:
+            q8_0.q8_0_gemv(
+                ctypes.c_void_p(blocks.data_ptr()),
+                ctypes.c_void_p(x.data_ptr()),
+                ctypes.c_void_p(y.data_ptr()),
+                n,
+                k,
+                threads,
+            )
+            return y
+    else:
+        kernels = gguf_kernels.load()
+        row = x[None]
+
+        def kernel(blocks: torch.Tensor) -> torch.Tensor:
+            return gguf_kernels.q4_matmul(kernels, blocks, row, int(qtype))[0]
+
     linear_us = timed(lambda i: F.linear(x, weights[i % copies]), iters)
-    kernel_us = timed(lambda i: kernel(*pointer_sets[i % copies], n, k), iters)
-    kernel(*pointer_sets[0], n, k)
+    kernel_us = timed(lambda i: kernel(block_copies[i % copies]), iters)
     exact = weight.double() @ x.double()
     return {
         "linear_us": linear_us,
         "kernel_us": kernel_us,
-        "kernel_err": (y.double() - exact).abs().max().item(),
+        "kernel_err": (kernel(block_copies[0]).double() - exact).abs().max().item(),
         "linear_err": (F.linear(x, weight).double() - exact).abs().max().item(),
-        # The bytes GGUF stores (fp16 scales and minimums; float32 ones here).
-        "gguf_bytes": n * k // 32 * (20 if kind == "Q4_1" else 34),
+        "gguf_bytes": raw.nbytes,
     }
 
 
@@ -161,13 +145,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows, linear_ms, kernel_ms = [], 0.0, 0.0
     with tempfile.TemporaryDirectory() as directory:
-        library = build(Path(directory))
+        if gguf_kernels.load() is None:
+            raise SystemExit(f"the engine's GGUF kernels cannot run here: {gguf_kernels.unavailable_reason()}")
+        q8_0 = build_q8_0(Path(directory))
         for n, k, kind, layers in SHAPES:
-            r = measure(library, n, k, kind, args.iters)
+            r = measure(q8_0, n, k, kind, args.iters)
             linear_ms += layers * r["linear_us"] / 1000
             kernel_ms += layers * r["kernel_us"] / 1000
             rows.append(
-                f"| {n} x {k} {kind} | {r['linear_us']:.0f} | {r['kernel_us']:.0f} | "
+                f"| {n} x {k} {kind.name} | {r['linear_us']:.0f} | {r['kernel_us']:.0f} | "
                 f"{r['linear_us'] / r['kernel_us']:.1f}x | {r['gguf_bytes'] / r['kernel_us'] / 1e3:.1f} | "
                 f"{r['kernel_err']:.1e} / {r['linear_err']:.1e} |"
             )

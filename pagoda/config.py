@@ -30,9 +30,10 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 QUANTIZATION_METHODS = (None, "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 # How a GGUF's 4-bit linear weights (Q4_0, Q4_1) load: kept 4-bit for the CPU's int4 kernel
-# ("quantized"), or dequantized to the model dtype; "auto": quantized for a bf16 model on an
-# AVX-512 CPU where every linear weight is 4-bit (pagoda/model/layers/quantization/config.py).
-GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
+# ("quantized"), kept as the file's blocks for Pagoda's AVX2 kernels ("blocks"), or dequantized
+# to the model dtype; "auto": quantized for a bf16 model on an AVX-512 CPU, else blocks where
+# their kernels build (pagoda/model/layers/quantization/config.py).
+GGUF_WEIGHTS = ("auto", "quantized", "blocks", "dequantized")
 # State-space layers' prefix caching (vLLM's names): "none", one state per request and no
 # caching; "align", a state checkpoint at every block boundary (steps end on boundaries they
 # reach), so a cached prefix resumes from the checkpoint at its end.
@@ -136,7 +137,7 @@ class ModelConfig:
     # "fp8": FP8 weights, quantized at load from a bf16/fp16 checkpoint; None: as the checkpoint is
     # (an FP8 checkpoint's quantization_config resolves this to "fp8").
     quantization: str | None = None
-    # A GGUF's 4-bit linear weights: "quantized", "dequantized" or "auto" (see GGUF_WEIGHTS).
+    # A GGUF's 4-bit linear weights: "quantized", "blocks", "dequantized" or "auto" (see GGUF_WEIGHTS).
     gguf_weights: str = "auto"
     # Every kernel of the forward computes a row in an order that no other row, nor their count,
     # changes (pagoda/engine/batch_invariance.py says what it covers and refuses).

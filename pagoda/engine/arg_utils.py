@@ -101,6 +101,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         model_config.dtype,
         model_config.quantization,
         model_config.batch_invariant,
+        split["parallel_config"].get("tensor_parallel_size", 1),
     )
     model_config.task = resolve_task(model_config.task, model_config.hf_config)
     if model_config.is_embedding_model:

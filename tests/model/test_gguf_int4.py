@@ -21,11 +21,13 @@ import numpy as np
 import pytest
 import torch
 from engine_utils import smollm2_gguf_path
+from gguf_utils import quantized_blocks, weight_bytes, write_gguf
 from model_utils import assert_greedy_match
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import ConfigError
 from pagoda.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from pagoda.model.layers.quantization import gguf_kernels
 from pagoda.model.layers.quantization.base import building_with
 from pagoda.model.layers.quantization.config import resolve_gguf_weights
 from pagoda.model.layers.quantization.int4 import GROUP_SIZE, Int4Config, unpack_nibbles
@@ -50,12 +52,6 @@ PROMPTS = [
 ]
 
 
-def _quantized_blocks(rows: int, cols: int, qtype: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    weight = (rng.standard_normal((rows, cols)) * 0.05 + rng.standard_normal((rows, 1)) * 0.02).astype(np.float32)
-    return gguf.quants.quantize(weight, qtype)
-
-
 def _dequantize_groups(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """w = (q - 8) scale + zero in float32, one scale and zero per 32 columns."""
     q = unpack_nibbles(qweight).float()
@@ -64,7 +60,7 @@ def _dequantize_groups(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.T
 
 @pytest.mark.parametrize("qtype", Q4_TYPES, ids=lambda t: t.name)
 def test_int4_groups_dequantize_as_gguf_does(qtype) -> None:
-    blocks = _quantized_blocks(48, 128, qtype, seed=1)
+    blocks = quantized_blocks(48, 128, qtype, seed=1)
     qweight, scale, zero = int4_groups(blocks, qtype)
     assert (qweight.shape, scale.shape, zero.shape) == ((48, 64), (48, 4), (48, 4))
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
@@ -73,7 +69,7 @@ def test_int4_groups_dequantize_as_gguf_does(qtype) -> None:
 
 @pytest.mark.parametrize("qtype", [*Q4_TYPES, gguf.GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
 def test_torch_dequantize_is_gguf_s_bit_for_bit(qtype) -> None:
-    blocks = _quantized_blocks(48, 128, qtype, seed=2)
+    blocks = quantized_blocks(48, 128, qtype, seed=2)
     blocks.flags.writeable = False  # as the file's read-only map gives them
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
     assert torch.equal(dequantize(blocks, qtype), expected)
@@ -115,11 +111,11 @@ def _check_output(layer: torch.nn.Module, weight: torch.Tensor, x: torch.Tensor)
 def test_int4_linear_is_linear_on_its_dequantized_weight(qtype, dtype, tokens) -> None:
     torch.manual_seed(tokens)
     x = torch.randn(tokens, 96, dtype=dtype)
-    blocks = _quantized_blocks(32, 96, qtype, seed=2)
+    blocks = quantized_blocks(32, 96, qtype, seed=2)
     _check_output(
         _layer_with(ColumnParallelLinear, 96, 32, loads={None: blocks}, qtype=qtype), _kernel_weight(blocks, qtype), x
     )
-    gate, up = _quantized_blocks(48, 96, qtype, seed=3), _quantized_blocks(48, 96, qtype, seed=4)
+    gate, up = quantized_blocks(48, 96, qtype, seed=3), quantized_blocks(48, 96, qtype, seed=4)
     merged = _layer_with(MergedColumnParallelLinear, 96, [48, 48], loads={0: gate, 1: up}, qtype=qtype)
     _check_output(merged, torch.cat([_kernel_weight(gate, qtype), _kernel_weight(up, qtype)]), x)
     # Against gguf's own dequantized weight: off by the bf16 rounding of the scales and zeros.
@@ -130,7 +126,7 @@ def test_int4_linear_is_linear_on_its_dequantized_weight(qtype, dtype, tokens) -
 
 def test_int4_linear_adds_its_bias() -> None:
     qtype = gguf.GGMLQuantizationType.Q4_1
-    blocks = _quantized_blocks(16, 64, qtype, seed=5)
+    blocks = quantized_blocks(16, 64, qtype, seed=5)
     layer = _layer_with(ColumnParallelLinear, 64, 16, True, loads={None: blocks}, qtype=qtype)
     layer.bias.data.copy_(torch.arange(16.0))
     x = torch.randn(3, 64, dtype=torch.bfloat16)
@@ -142,8 +138,8 @@ def test_tensor_parallel_ranks_hold_slices_of_the_groups(parallel_state) -> None
     """At TP 2 a column-parallel rank holds its rows of each merged tensor and a row-parallel
     rank its columns (whole groups of 32), scales and zeros alongside."""
     qtype = gguf.GGMLQuantizationType.Q4_1
-    gate, up = _quantized_blocks(64, 64, qtype, seed=6), _quantized_blocks(64, 64, qtype, seed=7)
-    down = _quantized_blocks(64, 128, qtype, seed=8)
+    gate, up = quantized_blocks(64, 64, qtype, seed=6), quantized_blocks(64, 64, qtype, seed=7)
+    down = quantized_blocks(64, 128, qtype, seed=8)
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     for rank in range(2):
         parallel_state(tp_rank=rank, tp_size=2)
@@ -163,28 +159,17 @@ def test_shapes_the_kernel_cannot_pack_are_config_errors() -> None:
         ColumnParallelLinear(64, 24)
 
 
-def _write_gguf(path: str, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]) -> str:
-    writer = gguf.GGUFWriter(path, "llama")
-    for name, (data, qtype) in tensors.items():
-        writer.add_tensor(name, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def test_int4_obstacle_names_the_tensor_that_cannot_stay_4bit(tmp_path) -> None:
     q4_1 = gguf.GGMLQuantizationType.Q4_1
     f16 = gguf.GGMLQuantizationType.F16
     norm = (np.ones(64, dtype=np.float32), gguf.GGMLQuantizationType.F32)
-    fine = {"blk.0.attn_norm.weight": norm, "blk.0.attn_q.weight": (_quantized_blocks(64, 64, q4_1, 0), q4_1)}
-    assert int4_obstacle(_write_gguf(str(tmp_path / "q4.gguf"), fine)) is None
+    fine = {"blk.0.attn_norm.weight": norm, "blk.0.attn_q.weight": (quantized_blocks(64, 64, q4_1, 0), q4_1)}
+    assert int4_obstacle(write_gguf(str(tmp_path / "q4.gguf"), fine)) is None
     mixed = {**fine, "blk.0.attn_k.weight": (np.zeros((32, 64), dtype=np.float16), f16)}
-    reason = int4_obstacle(_write_gguf(str(tmp_path / "mixed.gguf"), mixed))
+    reason = int4_obstacle(write_gguf(str(tmp_path / "mixed.gguf"), mixed))
     assert reason == "needs Q4_0 or Q4_1 linear weights, blk.0.attn_k.weight is F16"
-    odd = {**fine, "blk.0.attn_v.weight": (_quantized_blocks(24, 64, q4_1, 0), q4_1)}
-    reason = int4_obstacle(_write_gguf(str(tmp_path / "odd.gguf"), odd))
+    odd = {**fine, "blk.0.attn_v.weight": (quantized_blocks(24, 64, q4_1, 0), q4_1)}
+    reason = int4_obstacle(write_gguf(str(tmp_path / "odd.gguf"), odd))
     assert reason == "needs output rows divisible by 16, blk.0.attn_v.weight has 24"
 
 
@@ -196,6 +181,8 @@ def test_gguf_weights_resolve_to_quantized_only_where_the_kernel_runs(monkeypatc
         load_format = "gguf" if path.endswith(".gguf") else "safetensors"
         return resolve_gguf_weights(gguf_weights, path, load_format, device, dtype, quantization, invariant)
 
+    # Without the block kernels (test_gguf_blocks.py resolves with them).
+    monkeypatch.setattr(gguf_kernels, "unavailable_reason", lambda: "needs a C compiler (cc) on PATH to build them")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert resolve("auto") == "quantized"
     assert resolve("dequantized") == "dequantized"
@@ -204,9 +191,7 @@ def test_gguf_weights_resolve_to_quantized_only_where_the_kernel_runs(monkeypatc
     assert resolve("quantized", dtype=torch.float32) == "quantized"
     for unfit in [{"device": cuda}, {"quantization": "fp8"}, {"invariant": True}, {"path": "/an/hf/dir"}]:
         assert resolve("auto", **unfit) == "dequantized"
-    with pytest.raises(
-        ConfigError, match="gguf_weights 'quantized' runs torch's CPU int4 kernel, the device is 'cuda'"
-    ):
+    with pytest.raises(ConfigError, match="gguf_weights 'quantized' runs on the CPU, the device is 'cuda'"):
         resolve("quantized", device=cuda)
     with pytest.raises(ConfigError, match="gguf_weights 'quantized' cannot combine with quantization 'fp8'"):
         resolve("quantized", quantization="fp8")
@@ -217,14 +202,10 @@ def test_gguf_weights_resolve_to_quantized_only_where_the_kernel_runs(monkeypatc
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # runs, slower than float
     assert resolve("auto") == "dequantized"
     assert resolve("quantized") == "quantized"
-    with pytest.raises(ConfigError, match="gguf_weights must be one of auto, quantized, dequantized, got 'int4'"):
+    with pytest.raises(
+        ConfigError, match="gguf_weights must be one of auto, quantized, blocks, dequantized, got 'int4'"
+    ):
         LLM(device="cpu", gguf_weights="int4")
-
-
-def _weight_bytes(llm: LLM) -> int:
-    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # a tied head counts once
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _greedy(gguf_weights: str) -> tuple[list[list[int]], list[list[float]], int]:
@@ -238,9 +219,9 @@ def _greedy(gguf_weights: str) -> tuple[list[list[int]], list[list[float]], int]
         tokens.append(list(sample.token_ids))
         top2 = [sorted((entry.logprob for entry in step.values()), reverse=True)[:2] for step in sample.logprobs]
         margins.append([first - second for first, second in top2])
-    weight_bytes = _weight_bytes(llm)
+    held = weight_bytes(llm)
     llm.shutdown()
-    return tokens, margins, weight_bytes
+    return tokens, margins, held
 
 
 @needs_smollm2

