@@ -1,7 +1,7 @@
 """GGUF weights kept as blocks on the CPU (#25): how fast a one-token GEMV reads them.
 
 SmolLM2-135M's shapes, as GGUF blocks of random weights (`gguf.quants.quantize`): its Q4_1
-linears through the engine's kernel (`gguf_kernels.q4_matmul`, what `gguf_weights="blocks"`
+linears through the engine's kernel (`gguf_kernels.matmul`, what `gguf_weights="blocks"`
 runs, on one thread), and its Q8_0 LM head through a prototype kernel built here (the engine keeps that head
 dequantized), each against float32 `F.linear` over the weights dequantized up front. Both
 kernels dequantize each block as the loader does, so their error against a float64 product is
@@ -122,7 +122,7 @@ def measure(q8_0: ctypes.CDLL, n: int, k: int, qtype: gguf.GGMLQuantizationType,
         row = x[None]
 
         def kernel(blocks: torch.Tensor) -> torch.Tensor:
-            return gguf_kernels.q4_matmul(kernels, blocks, row, int(qtype))[0]
+            return gguf_kernels.matmul(kernels, blocks, row, int(qtype))[0]
 
     linear_us = timed(lambda i: F.linear(x, weights[i % copies]), iters)
     kernel_us = timed(lambda i: kernel(block_copies[i % copies]), iters)

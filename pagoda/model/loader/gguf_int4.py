@@ -16,13 +16,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagoda.model.layers.quantization.gguf_kernels import Q4_0, Q4_1
+from pagoda.model.layers.quantization.gguf_kernels import Q4_0, Q4_1, Q8_0
 from pagoda.model.layers.quantization.int4 import GROUP_SIZE
 
 # Whether a 4-bit type's block has `m`.
 HAS_MIN = {Q4_0: False, Q4_1: True}
-# Q8_0: blocks of 32 int8 weights after an fp16 scale d, w = d q.
-Q8_0 = 8
 DEQUANTIZED_IN_TORCH = (Q4_0, Q4_1, Q8_0)
 
 # GGUF block tensors that are linear layers' weights (the rest are norms).

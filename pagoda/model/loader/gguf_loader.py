@@ -1,7 +1,8 @@
 """GGUF (llama.cpp) files: the HF config built from the metadata (read by `gguf_file`), and
 the tensors renamed to HF names, dequantized (Q4_0, Q4_1 and Q8_0 in torch by `gguf_int4`, the
 other types by the `gguf` package) or, for 4-bit linear weights loaded quantized, rewritten as
-int4 groups (`gguf_int4`).
+int4 groups (`gguf_int4`), or kept as the file's blocks (linear weights, the token embedding
+and the LM head, `gguf_weights="blocks"`).
 
 The only module that imports `gguf`; it is imported only when a GGUF model is loaded.
 """
@@ -18,6 +19,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from pagoda.config import ConfigError
+from pagoda.model.layers.quantization.gguf_kernels import BLOCK_BYTES
 from pagoda.model.layers.quantization.int4 import ROWS_MULTIPLE
 from pagoda.model.loader.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf_file
 from pagoda.model.loader.gguf_int4 import DEQUANTIZED_IN_TORCH, HAS_MIN, LINEAR_PARTS, dequantize, int4_groups
@@ -188,6 +190,29 @@ def linear_block_type(path: str) -> int:
     return ggml_type
 
 
+# The vocabulary's GGUF tensors: the token embedding, and the LM head where it is not tied.
+_EMBEDDING, _OUTPUT = "token_embd.weight", "output.weight"
+
+
+def vocab_block_types(path: str) -> tuple[int | None, int | None]:
+    """The ggml types in which the token embedding and the LM head stay blocks under
+    gguf_weights="blocks" (types the kernels read), None for each that loads as a float weight.
+    A file without an `output` tensor ties the head to the embedding."""
+    types = {tensor.name: tensor.ggml_type for tensor in read_gguf_file(path).tensors}
+    embedding = types.get(_EMBEDDING) if types.get(_EMBEDDING) in BLOCK_BYTES else None
+    if _OUTPUT not in types:
+        return embedding, embedding
+    return embedding, types[_OUTPUT] if types[_OUTPUT] in BLOCK_BYTES else None
+
+
+def _kept_as_blocks(tensor: GGUFTensorInfo, linears: str) -> bool:
+    if linears != "blocks":
+        return False
+    if tensor.name in (_EMBEDDING, _OUTPUT):
+        return tensor.ggml_type in BLOCK_BYTES
+    return _is_linear_weight(tensor.name) and tensor.ggml_type in HAS_MIN
+
+
 def iter_gguf_weights(
     path: str, hf_config: PretrainedConfig, linears: str = "dequantized"
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -196,7 +221,8 @@ def iter_gguf_weights(
     dequantizes) as its int4 groups
     ("quantized": `<layer>.qweight`, `.weight_scale`, `.weight_zero`, what `Int4LinearMethod`
     registers) or as the file's blocks ("blocks": `<layer>.gguf_blocks`, uint8 [N, row bytes],
-    what `GGUFBlockLinearMethod` registers)."""
+    what `GGUFBlockLinearMethod` registers; so too the embedding and LM head in a type the
+    kernels read, see `vocab_block_types`)."""
     file = read_gguf_file(path)
     heads_of_permuted: dict[str, int] = {}
     if _architecture(file) in _ARCHS_WITH_PERMUTED_QK:
@@ -209,13 +235,16 @@ def iter_gguf_weights(
         block_part = _block_part(tensor.name)
         heads = heads_of_permuted.get(block_part[1]) if block_part is not None else None
         name = hf_weight_name(tensor.name)
-        if linears in ("quantized", "blocks") and _is_linear_weight(tensor.name) and ggml_type in HAS_MIN:
-            base = name.removesuffix(".weight")
-            if linears == "blocks":
-                blocks = torch.from_numpy(np.array(raw))  # a copy: the file's map is read-only
-                yield f"{base}.gguf_blocks", blocks if heads is None else _unpermute_rows(blocks, heads)
-                continue
+        if _kept_as_blocks(tensor, linears):
+            blocks = torch.from_numpy(np.array(raw))  # a copy: the file's map is read-only
             # Each row's blocks stay whole, so llama.cpp's Q/K row permutation undoes on them too.
+            yield (
+                name.removesuffix(".weight") + ".gguf_blocks",
+                blocks if heads is None else _unpermute_rows(blocks, heads),
+            )
+            continue
+        if linears == "quantized" and _is_linear_weight(tensor.name) and ggml_type in HAS_MIN:
+            base = name.removesuffix(".weight")
             for suffix, part in zip(
                 ("qweight", "weight_scale", "weight_zero"), int4_groups(raw, ggml_type), strict=True
             ):

@@ -67,6 +67,8 @@ def is_derived_weight(hf_name: str, tie_word_embeddings: bool) -> bool:
 
 # The checkpoint tensor that both embeds tokens and, with tied embeddings, computes logits.
 TIED_EMBEDDING = "model.embed_tokens.weight"
+# Its module's prefix: with tied embeddings, its tensors (the weight, or GGUF blocks) are the head's.
+EMBEDDING_PREFIX = "model.embed_tokens."
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if is_last_stage else PPMissingLayer()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings and is_first_stage and is_last_stage:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_to(self.model.embed_tokens)
         # Names of modules another pipeline stage holds: their checkpoint weights are skipped.
         self._other_stage_prefixes = tuple(
             f"{name}." for name, module in self.named_modules() if isinstance(module, PPMissingLayer)
@@ -315,8 +317,9 @@ class DecoderForCausalLM(nn.Module):
             if is_derived_weight(hf_name, self.tie_word_embeddings):
                 continue
             name, shard_id = stacked_param_name(hf_name)
-            if name == TIED_EMBEDDING and name not in params and self.tie_word_embeddings:
-                name = "lm_head.weight"  # a last stage without the embedding still needs its rows
+            if name.startswith(EMBEDDING_PREFIX) and name not in params and self.tie_word_embeddings:
+                # A last stage without the embedding still needs its rows.
+                name = name.replace(EMBEDDING_PREFIX, "lm_head.", 1)
             if name.startswith(self._other_stage_prefixes):
                 continue
             if name not in params and is_kv_scale(name):
@@ -333,7 +336,7 @@ class DecoderForCausalLM(nn.Module):
         """The HF names `load_weights` must see for every parameter to be filled."""
         names = set()
         for name, _ in self.named_parameters():
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                name = TIED_EMBEDDING
+            if name.startswith("lm_head.") and self.tie_word_embeddings:
+                name = name.replace("lm_head.", EMBEDDING_PREFIX, 1)
             names.update(checkpoint_names(name))
         return names

@@ -47,7 +47,7 @@ class StateSpaceLMBase(nn.Module, ABC):
         self.add_module(self.body_name, body)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
-            self.lm_head.weight = body.get_input_embeddings().weight
+            self.lm_head.tie_to(body.get_input_embeddings())
 
     @classmethod
     @abstractmethod

@@ -105,6 +105,12 @@ class QuantizationConfig(ABC):
         """A method for one mixture-of-experts layer's experts; None: unquantized experts."""
         return None
 
+    def vocab_blocks_type(self, lm_head: bool) -> int | None:
+        """The ggml type of the GGUF blocks the token embedding (`lm_head`: the LM head) keeps
+        instead of a weight in the model dtype; None: the weight."""
+        del lm_head
+        return None
+
 
 _building: list[QuantizationConfig | None] = [None]
 
@@ -129,6 +135,12 @@ def current_moe_method() -> FusedMoEMethod | None:
     """The experts' method for a mixture-of-experts layer being built now (None: unquantized)."""
     config = _building[-1]
     return None if config is None else config.moe_method()
+
+
+def current_vocab_blocks_type(lm_head: bool) -> int | None:
+    """`vocab_blocks_type` of the configuration in effect, for an embedding or LM head being built."""
+    config = _building[-1]
+    return None if config is None else config.vocab_blocks_type(lm_head)
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

@@ -140,9 +140,9 @@ def build_quantization_config(
     if load_format == "gguf" and gguf_weights == "quantized":
         return Int4Config()
     if load_format == "gguf" and gguf_weights == "blocks":
-        from pagoda.model.loader.gguf_loader import linear_block_type
+        from pagoda.model.loader.gguf_loader import linear_block_type, vocab_block_types
 
-        return GGUFBlockConfig(linear_block_type(model))
+        return GGUFBlockConfig(linear_block_type(model), *vocab_block_types(model))
     if quantization is None:
         return None
     published = checkpoint_quantization(hf_config)

@@ -1,10 +1,12 @@
-"""GGUF's 4-bit linear weights kept as the file's blocks (`gguf_weights="blocks"`), on the CPU.
+"""GGUF weights kept as the file's blocks (`gguf_weights="blocks"`), on the CPU.
 
 Each linear layer holds `gguf_blocks`, uint8 [N, K / 32 * block bytes]: the file's bytes for its
 rows (18 a block for Q4_0, 20 for Q4_1), so SmolLM2's 66 MB of 4-bit linears stay 66 MB instead
-of 265 MB of float32. Up to `MAX_KERNEL_TOKENS` tokens a step, `gguf_kernels.q4_matmul` reads
+of 265 MB of float32. The token embedding and the LM head keep theirs too where the file stores
+them as Q4_0, Q4_1 or Q8_0 (SmolLM2's tied Q8_0 embedding: 30 MB instead of 113), see
+`VocabParallelEmbedding`. Up to `MAX_KERNEL_TOKENS` tokens a step, `gguf_kernels.matmul` reads
 the blocks directly; a larger step dequantizes the layer into a float32 scratch
-(`gguf_kernels.q4_dequantize`, ~0.1-0.3 ms a SmolLM2 layer) and runs one GEMM, where the 4-bit
+(`gguf_kernels.dequantize`, ~0.1-0.3 ms a SmolLM2 layer) and runs one GEMM, where the 4-bit
 read no longer dominates. Both dequantize exactly as the loader does, so the weights are the
 dequantized path's bit for bit. On the 2-core AVX2 machine (benchmarks/cpu_decode.py, float32,
 two rounds alternating): a single stream 49.8 / 48.8 ms a token against 65.1 / 62.7
@@ -39,15 +41,40 @@ from pagoda.model.layers.quantization.int4 import GROUP_SIZE
 MAX_KERNEL_TOKENS = 8
 
 
+def blocks_linear(
+    blocks: torch.Tensor,
+    x: torch.Tensor,
+    ggml_type: int,
+    threads: int = 1,
+    max_kernel_tokens: int | None = MAX_KERNEL_TOKENS,
+) -> torch.Tensor:
+    """x [..., K] times the weight whose rows are `blocks` transposed: float32 [..., N]; the
+    kernel up to `max_kernel_tokens` rows of x (None: any number), else dequantized and F.linear."""
+    kernels = gguf_kernels.load()
+    assert kernels is not None, "gguf_weights 'blocks' resolved without the kernels"
+    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
+    if max_kernel_tokens is None or len(flat) <= max_kernel_tokens:
+        out = gguf_kernels.matmul(kernels, blocks, flat, ggml_type, threads)
+    else:
+        out = torch.nn.functional.linear(flat, gguf_kernels.dequantize(kernels, blocks, ggml_type))
+    return out.view(*x.shape[:-1], -1)
+
+
 @dataclass(frozen=True)
 class GGUFBlockConfig(QuantizationConfig):
-    """Every linear layer holds GGUF blocks of `ggml_type` (Q4_0 or Q4_1: one type per file)."""
+    """Every linear layer holds GGUF blocks of `ggml_type` (Q4_0 or Q4_1: one type per file);
+    the token embedding and the LM head hold blocks of their own types where those are set."""
 
     ggml_type: int
+    embedding_type: int | None = None
+    lm_head_type: int | None = None
     name: str = "gguf_blocks"
 
     def linear_method(self) -> LinearMethod:
         return GGUFBlockLinearMethod(self.ggml_type)
+
+    def vocab_blocks_type(self, lm_head: bool) -> int | None:
+        return self.lm_head_type if lm_head else self.embedding_type
 
 
 class GGUFBlockLinearMethod(LinearMethod):
@@ -70,13 +97,5 @@ class GGUFBlockLinearMethod(LinearMethod):
         )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kernels = gguf_kernels.load()
-        assert kernels is not None, "gguf_weights 'blocks' resolved without the kernels"
-        flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-        if len(flat) <= MAX_KERNEL_TOKENS:
-            out = gguf_kernels.q4_matmul(kernels, layer.gguf_blocks, flat, self.ggml_type)
-        else:
-            weight = gguf_kernels.q4_dequantize(kernels, layer.gguf_blocks, self.ggml_type)
-            out = torch.nn.functional.linear(flat, weight)
-        out = out.view(*x.shape[:-1], -1).to(x.dtype)
+        out = blocks_linear(layer.gguf_blocks, x, self.ggml_type).to(x.dtype)
         return out if bias is None else out + bias
