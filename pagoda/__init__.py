@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 # LLM`) and in every child process. On cores shared with other processes a spinning thread holds
 # the core its descheduled peer needs to reach the barrier: measured on a 2-core machine at load
 # ~7, 2 torch threads decoded SmolLM2 ~5x (batch 32) and ~10x (batch 1) slower spinning than
-# sleeping. Set OMP_WAIT_POLICY=ACTIVE to spin on dedicated cores.
+# sleeping. The price is a wake-up per parallel region (~100 us for a batch-1 step's attention
+# on the same machine): on dedicated cores set OMP_WAIT_POLICY=ACTIVE, or GOMP_SPINCOUNT=10000 for
+# a short spin, which libgomp honours over the policy (benchmarks/RESULTS.md, 2026-12-07).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if TYPE_CHECKING:
