@@ -200,9 +200,10 @@ def matmul(
 ) -> torch.Tensor:
     """x [M, K] float32 (contiguous) times the weight whose rows are `blocks` (uint8 [N, K / 32
     * block bytes], the file's bytes) transposed: float32 [M, N]. One thread by default: a decode
-    step's layers are small (40-300 us each), and a second OpenMP team beside torch's cost more
-    than it split (SmolLM2 on the 2-core machine, in the engine: 22.4-23.4 ms of these calls a
-    token on two threads, 15.9-17.0 on one, either wait policy)."""
+    step's layers are small (40-300 us each), and a second thread (from torch's OpenMP runtime,
+    which this library shares) cost more than it split (SmolLM2 on the 2-core machine, in the
+    engine: 22.4-23.4 ms of these calls a token on two threads, 15.9-17.0 on one, either wait
+    policy)."""
     m, k = x.shape
     n = blocks.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
