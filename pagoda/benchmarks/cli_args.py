@@ -82,10 +82,11 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--workload", choices=["random", "nanobench", "shared-prefix"], default="random")
+    parser.add_argument("--workload", choices=["random", "fixed", "nanobench", "shared-prefix"], default="random")
     parser.add_argument(
-        "--num-prompts", type=int, default=None, help="default: 32 (random), 256 (nanobench, shared-prefix)"
+        "--num-prompts", type=int, default=None, help="default: 32 (random, fixed), 256 (nanobench, shared-prefix)"
     )
+    parser.add_argument("--input-len", type=int, default=None, help="fixed: every prompt's length")
     parser.add_argument("--min-prompt-len", type=int, default=32)
     parser.add_argument("--max-prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)

@@ -1,7 +1,8 @@
 """Offline throughput on a fixed workload of random token ids, with ignore_eos.
 
-Workloads: `random` (N prompts of random lengths, one output length, greedy) and
-`nanobench` (256 requests, prompt lengths uniform in [100, 1024] of ids below 10000,
+Workloads: `random` (N prompts of random lengths, one output length, greedy), `fixed` (the
+same with every prompt `--input-len` long: `--input-len 1000 --output-len 1000 --num-prompts
+1024` is the 1000/1000 row the peers publish), `nanobench` (256 requests, prompt lengths uniform in [100, 1024] of ids below 10000,
 output lengths uniform in [100, 1024], temperature 0.6, Python `random.seed(0)` drawing
 the prompts first, then the output lengths: 133,966 output tokens) and `shared-prefix` (N
 requests, each one of `--num-prefixes` random prefixes of `--shared-prefix-len` tokens, taken
@@ -15,7 +16,9 @@ so the figures come from the same machine and moment: `generate` on one padded b
 runs the peer on the first K requests only (the full nanobench takes HF about 4 minutes on an
 H200), and Pagoda on those K again, both rows labelled with the subset.
 
-Every row is printed beside the workload's floor (`roofline.workload_floor_seconds`: weight and
+Each row reports the peak number of requests running at once (the scheduler's running list
+after each step): what the KV-cache pool and `--max-num-seqs` let the batch reach. Every row
+is printed beside the workload's floor (`roofline.workload_floor_seconds`: weight and
 KV-cache bytes over the copy bandwidth, or FLOPs over the matmul rate, both measured in the
 same run) as a fraction: floor seconds / measured seconds. With `--speculative-config` the
 workload runs again with speculation on, after the plain engine (see `speculative`).
@@ -286,6 +289,8 @@ class Measurement:
     floor_seconds: float
     # What the verify steps accepted, for the speculating engine.
     acceptance: Acceptance | None = None
+    # Most requests the scheduler held running after any step of the run.
+    peak_running: int = 0
 
     def as_dict(self) -> dict:
         return {
@@ -299,20 +304,41 @@ class Measurement:
             "floor_seconds": self.floor_seconds,
             "fraction_of_floor": self.floor_seconds / self.seconds,
             "acceptance": asdict(self.acceptance) if self.acceptance is not None else None,
+            "peak_running": self.peak_running,
         }
 
 
+class PeakRunning:
+    """Counts the most requests running after any step of the in-process engine core's scheduler,
+    by wrapping its `schedule` (a benchmark's probe; the engine itself keeps no such figure)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.peak = 0
+        scheduler = llm.llm_engine.engine_core.scheduler
+        schedule = scheduler.schedule
+
+        def counting_schedule(*args, **kwargs):
+            output = schedule(*args, **kwargs)
+            self.peak = max(self.peak, len(scheduler.running))
+            return output
+
+        scheduler.schedule = counting_schedule
+
+
 def measure_engine(llm: LLM, engine: str, parts: list[Workload], floor: Floor) -> list[Measurement]:
-    """Each workload through the loaded engine after one warm-up, with its acceptance if it speculates."""
+    """Each workload through the loaded engine after one warm-up, with its acceptance if it
+    speculates and the peak number of requests running at once."""
     warm_up(llm, parts[0])
     probe = acceptance_probe(llm)
+    running = PeakRunning(llm)
     measurements = []
     for part in parts:
+        running.peak = 0
         if probe is None:
             seconds, acceptance = run_pagoda(llm, part), None
         else:
             seconds, acceptance = probe(lambda part=part: run_pagoda(llm, part))
-        measurements.append(Measurement(engine, part, seconds, floor.seconds(part), acceptance))
+        measurements.append(Measurement(engine, part, seconds, floor.seconds(part), acceptance, running.peak))
         print(f"{engine}: {seconds:.2f} s", flush=True)
     return measurements
 
@@ -320,7 +346,7 @@ def measure_engine(llm: LLM, engine: str, parts: list[Workload], floor: Floor) -
 def format_table(measurements: list[Measurement], num_requests: int) -> str:
     lines = [
         f"{'engine':<14} {'requests':>16} {'output tokens':>13} {'seconds':>8} {'output tok/s':>13} "
-        f"{'total tok/s':>12} {'floor s':>8} {'of floor':>9}"
+        f"{'total tok/s':>12} {'floor s':>8} {'of floor':>9} {'peak running':>12}"
     ]
     for m in measurements:
         row = m.as_dict()
@@ -328,7 +354,7 @@ def format_table(measurements: list[Measurement], num_requests: int) -> str:
         lines.append(
             f"{m.engine:<14} {requests + f' of {num_requests}':>16} {row['output_tokens']:>13} {m.seconds:>8.2f} "
             f"{row['output_tok_per_s']:>13.1f} {row['total_tok_per_s']:>12.1f} {m.floor_seconds:>8.3f} "
-            f"{row['fraction_of_floor']:>9.1%}"
+            f"{row['fraction_of_floor']:>9.1%} {m.peak_running or '-':>12}"
         )
     return "\n".join(lines)
 
@@ -345,6 +371,10 @@ def run(args: argparse.Namespace) -> list[Measurement]:
             args.output_len,
             args.seed,
         )
+    elif args.workload == "fixed":
+        if args.input_len is None or args.input_len < 1:
+            raise ConfigError(f"--workload fixed needs --input-len >= 1, got {args.input_len}")
+        workload = random_workload(args.num_prompts or 32, args.input_len, args.input_len, args.output_len, args.seed)
     else:
         workload = random_workload(
             args.num_prompts or 32, args.min_prompt_len, args.max_prompt_len, args.output_len, args.seed

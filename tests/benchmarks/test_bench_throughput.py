@@ -58,6 +58,21 @@ def test_bench_throughput_runs_the_hf_peer_on_a_labelled_subset(tmp_path, capsys
     assert measurements[1]["floor_seconds"] == measurements[2]["floor_seconds"] < measurements[0]["floor_seconds"]
 
 
+def test_bench_throughput_fixed_workload_reports_its_peak_running_count(tmp_path, capsys) -> None:
+    """Every prompt --input-len long; the peak running count is bounded by --max-num-seqs."""
+    result_json = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", *SMALL, "--workload", "fixed", "--input-len", "7", "--num-prompts", "5"]
+    assert main([*argv, "--max-num-seqs", "2", "--result-json", str(result_json)]) == 0
+    assert "5 prompts, 35 prompt tokens, 25 output tokens" in capsys.readouterr().out
+    (measurement,) = json.loads(result_json.read_text())["measurements"]
+    assert measurement["peak_running"] == 2
+
+
+def test_bench_throughput_fixed_workload_needs_an_input_len(capsys) -> None:
+    assert main(["bench", "throughput", *SMALL, "--workload", "fixed"]) == 2
+    assert "--workload fixed needs --input-len >= 1" in capsys.readouterr().err
+
+
 def test_bench_throughput_rejects_a_peer_subset_larger_than_the_workload(capsys) -> None:
     assert main(["bench", "throughput", *SMALL, "--peer", "hf", "--peer-num-prompts", "4"]) == 2
     assert "--peer-num-prompts must be in [1, 3]" in capsys.readouterr().err
