@@ -5,6 +5,8 @@ sliding windows and soft-capping; and the K/V it writes land in exactly the plan
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_triton_attention import PagedBatch, dense_reference, make_paged_batch
@@ -14,10 +16,12 @@ from pagoda.attention.backends.torch_ref import TorchAttentionImpl, TorchMetadat
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.kv_cache_interface import FullAttentionSpec
 
-# (query_lens, context_lens): every row decoding; decode rows before, between and after prefill
-# chunks (their tokens out of order with the rows); prefill alone.
+# (query_lens, context_lens): every row decoding; every row decoding at one length (no mask);
+# decode rows before, between and after prefill chunks (their tokens out of order with the rows);
+# prefill alone.
 BATCHES = {
     "decode": ([1, 1, 1, 1], [40, 7, 0, 23]),
+    "even_decode": ([1, 1, 1], [13, 13, 13]),
     "mixed": ([1, 6, 1, 1, 9, 1], [30, 0, 12, 3, 17, 50]),
     "prefill": ([5, 16], [0, 9]),
 }
@@ -65,7 +69,7 @@ def test_planned_steps_match_dense_attention(name: str, padded: bool, window: in
     spec = FullAttentionSpec(block_size=4, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.float32)
     builder = TorchMetadataBuilder(spec, AttentionLimits(batch.query.shape[1], 8, 64), batch.query.device)
     metadata = builder.build(common)
-    assert metadata.decode is None or (metadata.decode.token_index is None) == (name == "decode")
+    assert metadata.decode is None or (metadata.decode.token_index is None) == name.endswith("decode")
     num_tokens = len(batch.query)
     key = torch.randn(num_tokens, num_kv_heads, head_size, device=batch.query.device)
     value = torch.randn(num_tokens, num_kv_heads, head_size, device=batch.query.device)
@@ -97,3 +101,18 @@ def test_a_plan_and_the_common_metadata_give_the_same_bits():
     cache = batch.kv_cache.clone()
     planned = impl.forward(batch.query, key, key, batch.kv_cache, plan_step(common))
     assert torch.equal(planned, impl.forward(batch.query, key, key, cache, common))
+
+
+def test_rows_of_one_length_attend_unmasked_to_the_masked_bits():
+    """Decode rows of one length skip the key mask: the same bits as the masked path."""
+    torch.manual_seed(2)
+    batch = make_paged_batch([1, 1], [21, 21], block_size=4)
+    common, _ = common_metadata(batch, 0)
+    num_kv_heads, head_size = batch.kv_cache.shape[-2:]
+    impl = TorchAttentionImpl(batch.query.shape[1], head_size, num_kv_heads, batch.scale)
+    key = torch.randn(len(batch.query), num_kv_heads, head_size, device=batch.query.device)
+    plan = plan_step(common)
+    assert plan.decode is not None and not plan.decode.ragged
+    masked = dataclasses.replace(plan, decode=dataclasses.replace(plan.decode, ragged=True))
+    unmasked_out = impl.forward(batch.query, key, key, batch.kv_cache, plan)
+    assert torch.equal(unmasked_out, impl.forward(batch.query, key, key, batch.kv_cache, masked))

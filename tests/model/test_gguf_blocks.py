@@ -5,6 +5,7 @@ resolves, and SmolLM2 end to end against the dequantized model."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import gguf
@@ -55,6 +56,54 @@ def test_the_matmul_reads_blocks_as_the_loader_dequantizes_them(qtype, num_token
     ours = gguf_kernels.matmul(KERNELS, blocks, x, int(qtype), threads).double()
     linear = F.linear(x, weight).double()
     assert (ours - exact).abs().max() <= 2 * (linear - exact).abs().max() + 1e-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("spin_us", [0, gguf_kernels.DEFAULT_SPIN_US], ids=["sleeping", "spinning"])
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_a_team_gives_one_thread_s_bits(spin_us: int, num_tokens: int) -> None:
+    """The caller and its helpers split rows in chunks: each row sums in one order whoever
+    computes it, whether the helpers spin for the next call or sleep (woken by it)."""
+    blocks, _ = _blocks(1000, 256, gguf.GGMLQuantizationType.Q4_1, seed=5)  # 32 chunks
+    x = torch.randn(num_tokens, 256)
+    alone = gguf_kernels.matmul(KERNELS, blocks, x, 3, 1)
+    try:
+        KERNELS.gguf_set_spin_us(spin_us)
+        for _ in range(20):
+            assert torch.equal(gguf_kernels.matmul(KERNELS, blocks, x, 3, 3), alone)
+    finally:
+        KERNELS.gguf_set_spin_us(gguf_kernels.DEFAULT_SPIN_US)
+
+
+@needs_kernels
+def test_callers_on_several_threads_share_the_team_or_work_alone() -> None:
+    """ctypes lets go of the GIL: a caller that finds the team busy computes alone, never mixes
+    into another's job."""
+    weights = [_blocks(640, 128, gguf.GGMLQuantizationType.Q4_0, seed=seed)[0] for seed in range(4)]
+    x = torch.randn(2, 128)
+    expected = [gguf_kernels.matmul(KERNELS, blocks, x, 2, 1) for blocks in weights]
+
+    def run(index: int) -> bool:
+        return all(
+            torch.equal(gguf_kernels.matmul(KERNELS, weights[index], x, 2, 2), expected[index]) for _ in range(50)
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(run, range(4)))
+
+
+@needs_kernels
+def test_a_forked_child_starts_its_own_helpers() -> None:
+    """A child has none of its parent's helper threads: its first team call starts them, and
+    its results are the parent's."""
+    blocks, _ = _blocks(512, 128, gguf.GGMLQuantizationType.Q4_1, seed=6)
+    x = torch.randn(1, 128)
+    expected = gguf_kernels.matmul(KERNELS, blocks, x, 3, 2)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if torch.equal(gguf_kernels.matmul(KERNELS, blocks, x, 3, 2), expected) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @needs_kernels

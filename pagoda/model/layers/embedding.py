@@ -85,6 +85,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.batch_invariant = batch_invariant_now()
+        # The engine's compute threads are set before the model is built.
+        self.blocks_threads = min(self.BLOCKS_THREADS, torch.get_num_threads())
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share `embedding`'s weight, or its GGUF blocks (tied word embeddings)."""
@@ -96,8 +98,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.blocks_type is not None:
-            threads = min(self.BLOCKS_THREADS, torch.get_num_threads())
-            logits = blocks_linear(self.gguf_blocks, hidden_states, self.blocks_type, threads, max_kernel_tokens=None)
+            logits = blocks_linear(
+                self.gguf_blocks, hidden_states, self.blocks_type, self.blocks_threads, max_kernel_tokens=None
+            )
             return logits.to(self.dtype)
         logits = tensor_model_parallel_all_gather(
             ops.linear(hidden_states, self.weight, batch_invariant=self.batch_invariant), dim=-1

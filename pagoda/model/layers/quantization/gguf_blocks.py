@@ -13,6 +13,9 @@ two rounds alternating): a single stream 49.8 / 48.8 ms a token against 65.1 / 6
 dequantized; 32 streams 100.3 / 102.8 tok/s against 112.2 / 108.4 (each such step dequantizes
 every layer again); resident memory 715 MiB against 1,049.
 
+Each layer's kernel runs on the engine's compute threads (`torch.get_num_threads()` when the
+model is built), as the kernel's own team (see `gguf_kernels.matmul`).
+
 One rank only: a row-parallel layer would split each row's blocks by bytes, which the layers'
 loaders do not do (config.py refuses "blocks" with tensor parallelism).
 """
@@ -83,6 +86,8 @@ class GGUFBlockLinearMethod(LinearMethod):
     def __init__(self, ggml_type: int) -> None:
         self.ggml_type = ggml_type
         self.block_bytes = gguf_kernels.BLOCK_BYTES[ggml_type]
+        # The engine's compute threads (set before the model is built): the kernel's team.
+        self.threads = torch.get_num_threads()
 
     def create_weights(self, layer: nn.Module, shape: LinearShape) -> None:
         if shape.input_size % GROUP_SIZE:
@@ -97,5 +102,5 @@ class GGUFBlockLinearMethod(LinearMethod):
         )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = blocks_linear(layer.gguf_blocks, x, self.ggml_type).to(x.dtype)
+        out = blocks_linear(layer.gguf_blocks, x, self.ggml_type, self.threads).to(x.dtype)
         return out if bias is None else out + bias

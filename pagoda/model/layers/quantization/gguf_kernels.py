@@ -10,6 +10,9 @@ engine, on one thread, its 4-bit layers take ~16 ms a token). Each block is dequ
 loader's float32 operations (d (q - 8); d q + m: a product, then a sum, `-ffp-contract=off`;
 d q), so the weights are the dequantized path's bit for bit and only the sums' order differs.
 
+`PAGODA_KERNEL_SPIN_US` (default 1000) is how long the matmul's helper threads spin for the next
+call before they sleep: 0 where other processes need the cores more than this one's latency.
+
 The source is built once per source hash with the system's C compiler into the user's cache
 (`PAGODA_KERNEL_CACHE`, else `$XDG_CACHE_HOME/pagoda/kernels`) and loaded with ctypes, which
 lets go of the GIL during a call. Without a compiler, an x86-64 CPU with AVX2, FMA and F16C, or
@@ -25,6 +28,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -40,9 +44,17 @@ Q4_0, Q4_1, Q8_0 = 2, 3, 8
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 
 _SOURCE = r"""
+#define _GNU_SOURCE
 #include <immintrin.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 static inline float half_at(const uint8_t* p) {
     uint16_t h;
@@ -79,13 +91,12 @@ static inline void dequantize_block(const uint8_t* block, int type, __m256 w[4])
 
 static inline int block_bytes_of(int type) { return type == 8 ? 34 : type == 3 ? 20 : 18; }
 
-/* y[M, N] = x[M, K] W^T, W's rows as GGUF blocks of `type`. Rows are split over the threads;
-   each block is dequantized once per four tokens, whose sums stay in registers. */
-void gguf_matmul(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int threads) {
+/* Rows [n0, n1) of y[M, N] = x[M, K] W^T, W's rows as GGUF blocks of `type`: each block is
+   dequantized once per four tokens, whose sums stay in registers. */
+static void matmul_rows(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int n0, int n1) {
     const int G = K / 32, block_bytes = block_bytes_of(type);
     const int64_t row_bytes = (int64_t)G * block_bytes;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int n = 0; n < N; n++) {
+    for (int n = n0; n < n1; n++) {
         const uint8_t* row = w + n * row_bytes;
         for (int m0 = 0; m0 < M; m0 += 4) {
             const int count = M - m0 < 4 ? M - m0 : 4;
@@ -112,6 +123,134 @@ void gguf_matmul(const uint8_t* w, const float* x, float* y, int M, int N, int K
     }
 }
 
+/* The matmul's team: the calling thread and up to `threads - 1` helper threads of our own (not
+   OpenMP's) share a job's rows in chunks, claimed one at a time. The caller never waits for a
+   helper to wake: it starts on the chunks at once and waits only for chunks a helper has claimed,
+   so a sleeping or descheduled helper (a loaded machine) costs nothing but its share of the
+   speed-up. After a job a helper spins for `spin_ns` (the gaps between a decode step's layers)
+   before it sleeps on a futex; the caller wakes sleepers, without waiting, when it publishes a
+   job. OpenMP's team would instead wake its sleeping threads and wait for them at every region
+   (~100 us each with OMP_WAIT_POLICY=PASSIVE: more than a decode step's layer takes). */
+#define MAX_HELPERS 15
+#define MIN_CHUNK_ROWS 32
+
+static struct {
+    const uint8_t* w;
+    const float* x;
+    float* y;
+    int M, N, K, type, chunk_rows;
+} job;
+/* generation (bits 32-63), chunks (16-31), next chunk to claim (0-15): one word, so a claim of
+   a stale generation's chunk fails. */
+static _Atomic uint64_t claim_word;
+static _Atomic int chunks_done;
+static _Atomic uint32_t published;  /* the latest generation: the futex word helpers sleep on */
+static _Atomic int sleepers;
+static uint32_t generation;
+static int helpers_started;
+static long spin_ns;
+static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* The next chunk of generation `gen`, or -1 once none is left (or a newer job is out). */
+static int claim_chunk(uint32_t gen) {
+    uint64_t word = atomic_load_explicit(&claim_word, memory_order_acquire);
+    for (;;) {
+        const uint32_t next = word & 0xFFFF, chunks = (word >> 16) & 0xFFFF;
+        if ((uint32_t)(word >> 32) != gen || next >= chunks) return -1;
+        if (atomic_compare_exchange_weak_explicit(&claim_word, &word, word + 1, memory_order_acq_rel,
+                                                  memory_order_acquire))
+            return (int)next;
+    }
+}
+
+static void run_chunks(uint32_t gen) {
+    int chunk;
+    while ((chunk = claim_chunk(gen)) >= 0) {
+        const int n0 = chunk * job.chunk_rows, n1 = n0 + job.chunk_rows < job.N ? n0 + job.chunk_rows : job.N;
+        matmul_rows(job.w, job.x, job.y, job.M, job.N, job.K, job.type, n0, n1);
+        atomic_fetch_add_explicit(&chunks_done, 1, memory_order_release);
+    }
+}
+
+static long elapsed_ns(const struct timespec* start) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (now.tv_sec - start->tv_sec) * 1000000000L + (now.tv_nsec - start->tv_nsec);
+}
+
+/* A generation newer than `seen`: spun for, then slept for. */
+static uint32_t wait_for_job(uint32_t seen) {
+    struct timespec start;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (int i = 1;; i++) {
+        const uint32_t latest = atomic_load_explicit(&published, memory_order_acquire);
+        if (latest != seen) return latest;
+        _mm_pause();
+        if (i % 256 == 0 && elapsed_ns(&start) > spin_ns) break;
+    }
+    for (;;) {
+        atomic_fetch_add(&sleepers, 1);
+        if (atomic_load(&published) == seen) syscall(SYS_futex, &published, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+        atomic_fetch_sub(&sleepers, 1);
+        const uint32_t latest = atomic_load(&published);
+        if (latest != seen) return latest;
+    }
+}
+
+static void* helper_main(void* unused) {
+    (void)unused;
+    uint32_t seen = atomic_load(&published);
+    for (;;) {
+        seen = wait_for_job(seen);
+        run_chunks(seen);
+    }
+    return NULL;
+}
+
+/* A forked child has none of its parent's helpers: it starts its own when it needs them. */
+static void forget_helpers(void) {
+    helpers_started = 0;
+    atomic_store(&sleepers, 0);
+    pthread_mutex_init(&job_lock, NULL);
+}
+
+static void start_helpers(int count) {
+    static int atfork_registered;
+    if (!atfork_registered) atfork_registered = pthread_atfork(NULL, NULL, forget_helpers) == 0;
+    for (; helpers_started < count; helpers_started++) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, helper_main, NULL) != 0) return;
+        pthread_detach(thread);
+    }
+}
+
+/* How long helpers spin after a job before they sleep (0: sleep at once). */
+void gguf_set_spin_us(int spin_us) { spin_ns = (long)spin_us * 1000; }
+
+/* y[M, N] = x[M, K] W^T, W's rows as GGUF blocks of `type`, on the caller and up to `threads - 1`
+   helpers. A caller that finds the team busy (another thread's matmul) works alone. */
+void gguf_matmul(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int threads) {
+    int chunk_rows = (N + 65534) / 65535;
+    if (chunk_rows < MIN_CHUNK_ROWS) chunk_rows = MIN_CHUNK_ROWS;
+    const int chunks = (N + chunk_rows - 1) / chunk_rows;
+    if (threads <= 1 || chunks < 2 || pthread_mutex_trylock(&job_lock) != 0) {
+        matmul_rows(w, x, y, M, N, K, type, 0, N);
+        return;
+    }
+    start_helpers(threads - 1 < MAX_HELPERS ? threads - 1 : MAX_HELPERS);
+    job.w = w, job.x = x, job.y = y, job.M = M, job.N = N, job.K = K, job.type = type, job.chunk_rows = chunk_rows;
+    atomic_store_explicit(&chunks_done, 0, memory_order_relaxed);
+    const uint32_t gen = ++generation;
+    atomic_store_explicit(&claim_word, ((uint64_t)gen << 32) | ((uint64_t)chunks << 16), memory_order_release);
+    atomic_store(&published, gen);
+    if (atomic_load(&sleepers) > 0) syscall(SYS_futex, &published, FUTEX_WAKE_PRIVATE, MAX_HELPERS, NULL, NULL, 0);
+    run_chunks(gen);
+    for (int i = 1; atomic_load_explicit(&chunks_done, memory_order_acquire) < chunks; i++) {
+        if (i % 1024 == 0) sched_yield(); else _mm_pause();
+    }
+    pthread_mutex_unlock(&job_lock);
+}
+
 /* out[N, K] float32: W dequantized (a step too large for the matmul above, or an embedding's
    looked-up rows). */
 void gguf_dequantize(const uint8_t* w, float* out, int N, int K, int type, int threads) {
@@ -127,10 +266,15 @@ void gguf_dequantize(const uint8_t* w, float* out, int N, int K, int type, int t
 }
 """
 
+# How long the matmul's helpers spin after a call (us): a SmolLM2 decode step's gaps between its
+# layers' matmuls are ~0.1-0.5 ms (the 2-core machine, single stream: 33-36 ms a token at 1000 or
+# 2000, 32-45 at 200, 40-49 sleeping at once).
+DEFAULT_SPIN_US = 1000
+
 # Weights from which dequantizing is worth an OpenMP team (an embedding's few looked-up rows are not).
 PARALLEL_DEQUANTIZE_WEIGHTS = 1 << 16
 
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-pthread", "-ffp-contract=off", "-shared", "-fPIC")
 _DIGEST = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
 _lock = threading.Lock()
 _loaded: list[ctypes.CDLL | None] = []  # one entry once tried
@@ -146,6 +290,8 @@ def _cache_dir() -> Path:
 
 def unavailable_reason() -> str | None:
     """Why the kernels cannot run on this machine (None: they can, once built)."""
+    if not sys.platform.startswith("linux"):
+        return f"needs Linux (the team's helpers sleep on futexes), this is {sys.platform}"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"needs an x86-64 CPU, this one is {platform.machine()}"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -190,8 +336,11 @@ def _build_and_load() -> ctypes.CDLL | None:
         return None
     kernels.gguf_matmul.restype = None
     kernels.gguf_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    kernels.gguf_set_spin_us.restype = None
+    kernels.gguf_set_spin_us.argtypes = [ctypes.c_int]
     kernels.gguf_dequantize.restype = None
     kernels.gguf_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
+    kernels.gguf_set_spin_us(int(os.environ.get("PAGODA_KERNEL_SPIN_US", DEFAULT_SPIN_US)))
     return kernels
 
 
@@ -199,11 +348,10 @@ def matmul(
     kernels: ctypes.CDLL, blocks: torch.Tensor, x: torch.Tensor, ggml_type: int, threads: int = 1
 ) -> torch.Tensor:
     """x [M, K] float32 (contiguous) times the weight whose rows are `blocks` (uint8 [N, K / 32
-    * block bytes], the file's bytes) transposed: float32 [M, N]. One thread by default: a decode
-    step's layers are small (40-300 us each), and a second thread (from torch's OpenMP runtime,
-    which this library shares) cost more than it split (SmolLM2 on the 2-core machine, in the
-    engine: 22.4-23.4 ms of these calls a token on two threads, 15.9-17.0 on one, either wait
-    policy)."""
+    * block bytes], the file's bytes) transposed: float32 [M, N], on the caller and `threads - 1`
+    helpers (the kernel's own team, see the C source: an OpenMP team, torch's, cost more than it
+    split on a decode step's 40-300 us layers, 22.4-23.4 ms of these calls a SmolLM2 token on two
+    threads against 15.9-17.0 on one). Every row's sum runs in the same order whatever the team."""
     m, k = x.shape
     n = blocks.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
