@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 # OpenMP threads waiting for work sleep instead of spinning. Read once, when torch loads its
@@ -20,6 +21,16 @@ from typing import TYPE_CHECKING, Any
 # on the same machine): on dedicated cores set OMP_WAIT_POLICY=ACTIVE, or GOMP_SPINCOUNT=10000 for
 # a short spin, which libgomp honours over the policy (benchmarks/RESULTS.md, 2026-12-07).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Whether torch's OpenMP threads sleep between parallel regions in this process: the policy took
+# effect (torch was not loaded before pagoda) and no spin count overrides it. The GGUF kernels'
+# own helper threads spin between a decode step's layers only then (`gguf_kernels.spin_us`):
+# beside OpenMP threads that spin too, a SmolLM2 single stream on 2 cores took 60-75 ms a token
+# against 36-43 with the helpers sleeping at once (benchmarks/RESULTS.md, 2026-12-07).
+OPENMP_THREADS_SLEEP = (
+    "torch" not in sys.modules
+    and os.environ["OMP_WAIT_POLICY"].upper() == "PASSIVE"
+    and "GOMP_SPINCOUNT" not in os.environ
+)
 
 if TYPE_CHECKING:
     from pagoda.entrypoints.llm import LLM

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from engine_utils import smollm2_gguf_path
 from gguf_utils import quantized_blocks, weight_bytes, write_gguf
 
+import pagoda
 from pagoda import LLM, SamplingParams
 from pagoda.config import ConfigError
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -72,7 +73,17 @@ def test_a_team_gives_one_thread_s_bits(spin_us: int, num_tokens: int) -> None:
         for _ in range(20):
             assert torch.equal(gguf_kernels.matmul(KERNELS, blocks, x, 3, 3), alone)
     finally:
-        KERNELS.gguf_set_spin_us(gguf_kernels.DEFAULT_SPIN_US)
+        KERNELS.gguf_set_spin_us(gguf_kernels.spin_us())
+
+
+def test_helpers_spin_only_where_openmp_threads_sleep(monkeypatch) -> None:
+    monkeypatch.delenv("PAGODA_KERNEL_SPIN_US", raising=False)
+    monkeypatch.setattr(pagoda, "OPENMP_THREADS_SLEEP", True)
+    assert gguf_kernels.spin_us() == gguf_kernels.DEFAULT_SPIN_US
+    monkeypatch.setattr(pagoda, "OPENMP_THREADS_SLEEP", False)
+    assert gguf_kernels.spin_us() == 0
+    monkeypatch.setenv("PAGODA_KERNEL_SPIN_US", "250")
+    assert gguf_kernels.spin_us() == 250
 
 
 @needs_kernels

@@ -10,8 +10,10 @@ engine, on one thread, its 4-bit layers take ~16 ms a token). Each block is dequ
 loader's float32 operations (d (q - 8); d q + m: a product, then a sum, `-ffp-contract=off`;
 d q), so the weights are the dequantized path's bit for bit and only the sums' order differs.
 
-`PAGODA_KERNEL_SPIN_US` (default 1000) is how long the matmul's helper threads spin for the next
-call before they sleep: 0 where other processes need the cores more than this one's latency.
+`PAGODA_KERNEL_SPIN_US` is how long the matmul's helper threads spin for the next call before
+they sleep (`spin_us`): by default DEFAULT_SPIN_US where torch's OpenMP threads sleep between
+regions (`pagoda.OPENMP_THREADS_SLEEP`), else 0; 0 also where other processes need the cores more
+than this one's latency.
 
 The source is built once per source hash with the system's C compiler into the user's cache
 (`PAGODA_KERNEL_CACHE`, else `$XDG_CACHE_HOME/pagoda/kernels`) and loaded with ctypes, which
@@ -34,6 +36,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+import pagoda
 
 logger = logging.getLogger(__name__)
 
@@ -340,8 +344,18 @@ def _build_and_load() -> ctypes.CDLL | None:
     kernels.gguf_set_spin_us.argtypes = [ctypes.c_int]
     kernels.gguf_dequantize.restype = None
     kernels.gguf_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
-    kernels.gguf_set_spin_us(int(os.environ.get("PAGODA_KERNEL_SPIN_US", DEFAULT_SPIN_US)))
+    kernels.gguf_set_spin_us(spin_us())
     return kernels
+
+
+def spin_us() -> int:
+    """How long the matmul's helpers spin after a call: PAGODA_KERNEL_SPIN_US where set, else
+    DEFAULT_SPIN_US, or 0 where torch's OpenMP threads spin too (torch imported before pagoda,
+    OMP_WAIT_POLICY=ACTIVE, or a GOMP_SPINCOUNT): the two would take turns at the cores that the
+    decode step's own thread needs."""
+    if "PAGODA_KERNEL_SPIN_US" in os.environ:
+        return int(os.environ["PAGODA_KERNEL_SPIN_US"])
+    return DEFAULT_SPIN_US if pagoda.OPENMP_THREADS_SLEEP else 0
 
 
 def matmul(
