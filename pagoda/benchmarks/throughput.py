@@ -5,10 +5,10 @@ same with every prompt `--input-len` long: `--input-len 1000 --output-len 1000 -
 1024` is the 1000/1000 row the peers publish), `nanobench` (256 requests, prompt lengths
 uniform in [100, 1024] of ids below 10000, output lengths uniform in [100, 1024], temperature
 0.6, Python `random.seed(0)` drawing the prompts first, then the output lengths: 133,966 output
-tokens) and `shared-prefix` (N
-requests, each one of `--num-prefixes` random prefixes of `--shared-prefix-len` tokens, taken
-round-robin, then `--suffix-len` random tokens of its own; one output length, greedy: the
-system-prompt case cascade attention serves, its floor reading each prefix once per step).
+tokens) and `shared-prefix` (N requests, each one of `--num-prefixes` random prefixes of
+`--shared-prefix-len` tokens, taken round-robin, then `--suffix-len` random tokens of its own;
+one output length, greedy: the system-prompt case cascade attention serves, its floor reading
+each prefix once per step).
 
 With `--peer hf` the same prompts run through Hugging Face transformers in the same process,
 so the figures come from the same machine and moment: `generate` on one padded batch for
