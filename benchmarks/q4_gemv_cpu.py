@@ -2,10 +2,11 @@
 
 SmolLM2-135M's shapes, as GGUF blocks of random weights (`gguf.quants.quantize`), through the
 engine's kernel (`gguf_kernels.matmul`, what `gguf_weights="blocks"` runs: the Q4_1 linears on
-one thread, the Q8_0 LM head on `ParallelLMHead.BLOCKS_THREADS`), each against float32
-`F.linear` over the weights dequantized up front. The kernel dequantizes each block as the
-loader does, so its error against a float64 product is that of any float32 GEMV. Every weight is cycled through enough copies to miss the caches, as a
-decode step does.
+the compute threads, `--threads`, as `GGUFBlockLinearMethod` does; the Q8_0 LM head on at most
+`ParallelLMHead.BLOCKS_THREADS`), each against float32 `F.linear` over the weights dequantized
+up front. The kernel dequantizes each block as the loader does, so its error against a float64
+product is that of any float32 GEMV. Every weight is cycled through enough copies to miss the
+caches, as a decode step does.
 
     PYTHONPATH=. python benchmarks/q4_gemv_cpu.py [--threads 1]
 """
@@ -54,7 +55,9 @@ def measure(n: int, k: int, qtype: gguf.GGMLQuantizationType, iters: int) -> dic
     weights = [weight.clone() for _ in range(copies)]
     block_copies = [torch.from_numpy(raw.copy()) for _ in range(copies)]
     kernels = gguf_kernels.load()
-    threads = min(ParallelLMHead.BLOCKS_THREADS, torch.get_num_threads()) if qtype == Q8_0 else 1
+    threads = torch.get_num_threads()
+    if qtype == Q8_0:
+        threads = min(ParallelLMHead.BLOCKS_THREADS, threads)
     row = x[None]
 
     def kernel(blocks: torch.Tensor) -> torch.Tensor:
