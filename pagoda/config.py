@@ -325,7 +325,8 @@ class SchedulerConfig:
 class CompilationConfig:
     """CUDA graphs: captured for uniform decode batches of up to the largest capture size
     (padded up to the nearest size) when the device is CUDA, the attention backend is Triton
-    and `enforce_eager` is off."""
+    and `enforce_eager` is off. On the CPU `enforce_eager` likewise turns off the one-call decode
+    step of GGUF block models (`pagoda.model.cpu_decode`): every step then runs layer by layer."""
 
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None

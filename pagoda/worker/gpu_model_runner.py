@@ -307,6 +307,10 @@ class GPUModelRunner:
                 self.dtype,
                 use_triton=self.device.type == "cuda" or self.attn_backend.name == "triton",
             )
+        if self.device.type == "cpu" and not self.config.compilation_config.enforce_eager and self.lora_config is None:
+            from pagoda.model.cpu_decode import attach
+
+            attach(self.model)
         if hasattr(self.model, "embed_multimodal"):
             from pagoda.multimodal.encoder_runner import make_encoder_runner
 

@@ -225,6 +225,9 @@ class DecoderModel(nn.Module):
         # `aux_hidden_states` ([max tokens, len(layers) x hidden], a static buffer its proposer sets).
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.aux_hidden_states: torch.Tensor | None = None
+        # A whole decode step in one call (the CPU's, `pagoda.model.cpu_decode.attach`): given the
+        # step's ids, positions and context, the final norm's output, or None where it does not apply.
+        self.fused_decode: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor | None] | None = None
 
     def forward(
         self,
@@ -238,6 +241,10 @@ class DecoderModel(nn.Module):
         """`context` holds this stage's layers only; `intermediate_tensors` feeds every stage but the first;
         `inputs_embeds` replaces the token embeddings (a multimodal model's, with its images in), and
         `cos_sin` the rotary embedding of `positions` (M-RoPE's, where image tokens rotate in 3D)."""
+        if self.fused_decode is not None and inputs_embeds is None and cos_sin is None:
+            hidden_states = self.fused_decode(input_ids, positions, context)
+            if hidden_states is not None:
+                return hidden_states
         if self.is_first_stage:
             hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None

@@ -279,7 +279,7 @@ DEFAULT_SPIN_US = 1000
 PARALLEL_DEQUANTIZE_WEIGHTS = 1 << 16
 
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-pthread", "-ffp-contract=off", "-shared", "-fPIC")
-_DIGEST = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+_LIBS = ("-lm",)  # after the source, where the linker looks for what it needs
 _lock = threading.Lock()
 _loaded: list[ctypes.CDLL | None] = []  # one entry once tried
 
@@ -317,26 +317,8 @@ def load() -> ctypes.CDLL | None:
 
 
 def _build_and_load() -> ctypes.CDLL | None:
-    reason = unavailable_reason()
-    if reason is not None:
-        logger.info("GGUF block kernels off: %s", reason)
-        return None
-    library = _cache_dir() / f"gguf_blocks_{_DIGEST}.so"
-    try:
-        if not library.exists():
-            library.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-                source = Path(scratch) / "gguf_blocks.c"
-                source.write_text(_SOURCE)
-                built = Path(scratch) / library.name
-                subprocess.run(["cc", *_FLAGS, str(source), "-o", str(built)], check=True, capture_output=True)
-                os.replace(built, library)  # whole or absent, whichever process builds it
-        kernels = ctypes.CDLL(str(library))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = (
-            error.stderr.decode(errors="replace")[-500:] if isinstance(error, subprocess.CalledProcessError) else error
-        )
-        logger.warning("GGUF block kernels off: building %s failed: %s", library, detail)
+    kernels = build_library("gguf_blocks", _SOURCE, "GGUF block kernels")
+    if kernels is None:
         return None
     kernels.gguf_matmul.restype = None
     kernels.gguf_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
@@ -346,6 +328,35 @@ def _build_and_load() -> ctypes.CDLL | None:
     kernels.gguf_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
     kernels.gguf_set_spin_us(spin_us())
     return kernels
+
+
+def build_library(stem: str, source: str, what: str) -> ctypes.CDLL | None:
+    """`source` built with `_FLAGS` and `_LIBS` into the kernel cache as `{stem}_{hash}.so` (once per source
+    and flags) and loaded; None, logged with the reason, where it cannot be built here. `what`
+    names the kernels in the log."""
+    reason = unavailable_reason()
+    if reason is not None:
+        logger.info("%s off: %s", what, reason)
+        return None
+    digest = hashlib.sha256((source + " ".join(_FLAGS + _LIBS)).encode()).hexdigest()[:16]
+    library = _cache_dir() / f"{stem}_{digest}.so"
+    try:
+        if not library.exists():
+            library.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+                source_file = Path(scratch) / f"{stem}.c"
+                source_file.write_text(source)
+                built = Path(scratch) / library.name
+                command = ["cc", *_FLAGS, str(source_file), "-o", str(built), *_LIBS]
+                subprocess.run(command, check=True, capture_output=True)
+                os.replace(built, library)  # whole or absent, whichever process builds it
+        return ctypes.CDLL(str(library))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = (
+            error.stderr.decode(errors="replace")[-500:] if isinstance(error, subprocess.CalledProcessError) else error
+        )
+        logger.warning("%s off: building %s failed: %s", what, library, detail)
+        return None
 
 
 def spin_us() -> int:

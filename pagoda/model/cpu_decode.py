@@ -1,0 +1,398 @@
+"""A CPU decode step of a Llama-style decoder with GGUF block weights, as one C call.
+
+Why: at batch 1 on the CPU a SmolLM2 token took ~30 ms in the model's forward, of which the
+4-bit GEMVs were ~13 ms and the rest (per layer ~87 eager torch calls and the Python around them:
+~550 us a layer on the 2-core AVX2 machine) the other ~17. Here every layer of a decode step runs
+in C: RMSNorm with the residual add, the GEMVs (the GGUF kernels' `gguf_matmul`, on their own
+team), rotary, the K/V write into the paged cache, attention over the row's blocks, SiLU-and-mul,
+and the final norm. The step's plan (slots, block ids, lengths) is the torch attention backend's
+(`plan_step`), the embedding lookup and LM head stay the model's own.
+
+Numerically it is the eager path's float32 operations (rotary and the residual adds bit for bit,
+`-ffp-contract=off`); sums (norms, dot products, softmax) run in their own order, as any other
+kernel's would: float32 rounding, not a different result.
+
+It runs a step when every token is a one-token decode row of the only KV-cache group, at most
+`MAX_ROWS` of them, with no connector, cascade, multimodal input or EAGLE hidden-state capture;
+any other step (a prefill, a bigger batch) runs the eager layers, which stay the reference.
+`decode_step_obstacle` says why a model cannot use it at all (not a plain Llama-style stack of
+GGUF block linears in float32, biases, per-head q/k norms, sliding windows, soft-caps, pipeline
+stages); `enforce_eager` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+from torch import nn
+
+from pagoda.attention.backends.torch_ref import TorchAttentionImpl, TorchAttentionMetadata
+from pagoda.forward_context import ForwardContext
+from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagoda.model.layers.quantization import gguf_kernels
+from pagoda.model.layers.quantization.gguf_blocks import MAX_KERNEL_TOKENS, GGUFBlockLinearMethod
+from pagoda.model.models.decoder import DecoderAttention, DecoderLayer, DecoderMLP, DecoderModel
+
+logger = logging.getLogger(__name__)
+
+# Decode rows a step up to which it runs here: the GGUF kernels' own limit (past it the eager
+# layers dequantize each layer once for one GEMM).
+MAX_ROWS = MAX_KERNEL_TOKENS
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef void (*matmul_fn)(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int threads);
+
+typedef struct {
+    matmul_fn matmul;
+    int hidden, heads, kv_heads, head_dim, intermediate, weight_type, threads, block_size;
+    float eps, scale;
+} Model;
+
+/* One layer: its linears' GGUF blocks, its norms' weights, its cache [2, cache_slots, kv_heads * head_dim]. */
+typedef struct {
+    const uint8_t *qkv, *o, *gate_up, *down;
+    const float *input_norm, *post_norm;
+    float* kv_cache;
+    int64_t cache_slots;
+} Layer;
+
+/* Rows x width of each, for up to the step's rows; scores: `scores_capacity` floats. */
+typedef struct {
+    float *residual, *normed, *qkv, *attn, *gate_up, *act, *scores;
+    int64_t scores_capacity;
+} Scratch;
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+/* a . b over n floats, n a multiple of 8. */
+static inline float dot(const float* a, const float* b, int n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    if (i < n) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+/* x += y (the residual stream), then out = x / sqrt(mean(x^2) + eps) * weight. */
+static void add_rms_norm(float* x, const float* y, const float* weight, float* out, int n, float eps) {
+    if (y != NULL)
+        for (int i = 0; i < n; i++) x[i] = y[i] + x[i];
+    const float rstd = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * rstd * weight[i];
+}
+
+/* Neox rotary of `heads` heads of x in place: each head's halves rotate as pairs. */
+static void rotate(float* x, int heads, int head_dim, const float* cos, const float* sin) {
+    const int half = head_dim / 2;
+    for (int h = 0; h < heads; h++) {
+        float* v = x + (int64_t)h * head_dim;
+        for (int i = 0; i < half; i++) {
+            const float x1 = v[i], x2 = v[i + half];
+            v[i] = x1 * cos[i] - x2 * sin[i];
+            v[i + half] = x2 * cos[i] + x1 * sin[i];
+        }
+    }
+}
+
+/* One query token's attention over its first seq_len cached positions: q [heads, D] -> out
+   [heads, D]. Each KV head's keys are read once for its group of query heads. */
+static void attend(const Model* m, const Layer* layer, const float* q, const int64_t* block_ids, int seq_len,
+                   float* out, float* scores) {
+    const int D = m->head_dim, group = m->heads / m->kv_heads, kv_width = m->kv_heads * D;
+    const float* keys = layer->kv_cache;
+    const float* values = layer->kv_cache + layer->cache_slots * kv_width;
+    for (int g = 0; g < m->kv_heads; g++) {
+        for (int j = 0; j < seq_len; j++) {
+            const int64_t slot = block_ids[j / m->block_size] * m->block_size + j % m->block_size;
+            const float* k = keys + slot * kv_width + g * D;
+            for (int h = 0; h < group; h++) scores[(int64_t)h * seq_len + j] = dot(q + (g * group + h) * D, k, D) * m->scale;
+        }
+        for (int h = 0; h < group; h++) {
+            float* s = scores + (int64_t)h * seq_len;
+            float max = s[0];
+            for (int j = 1; j < seq_len; j++) max = s[j] > max ? s[j] : max;
+            float total = 0.0f;
+            for (int j = 0; j < seq_len; j++) {
+                s[j] = expf(s[j] - max);
+                total += s[j];
+            }
+            const float inverse = 1.0f / total;
+            for (int j = 0; j < seq_len; j++) s[j] *= inverse;
+        }
+        for (int h = 0; h < group; h++) memset(out + (g * group + h) * D, 0, D * sizeof(float));
+        for (int j = 0; j < seq_len; j++) {
+            const int64_t slot = block_ids[j / m->block_size] * m->block_size + j % m->block_size;
+            const float* v = values + slot * kv_width + g * D;
+            for (int h = 0; h < group; h++) {
+                float* o = out + (g * group + h) * D;
+                const __m256 p = _mm256_set1_ps(scores[(int64_t)h * seq_len + j]);
+                for (int d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+            }
+        }
+    }
+}
+
+/* hidden [M, hidden]: the rows' embeddings in, the final norm's output out. Row t is a decode
+   token at positions[t] writing its K/V at slots[t], its request's blocks
+   block_ids[t * blocks_per_row ...] holding seq_lens[t] positions (itself included). */
+void cpu_decode_step(const Model* m, const Layer* layers, int num_layers, const float* final_norm, float* hidden,
+                     int M, const int64_t* positions, const float* cos_cache, const float* sin_cache,
+                     const int64_t* slots, const int64_t* block_ids, int blocks_per_row, const int32_t* seq_lens,
+                     const Scratch* s) {
+    const int H = m->hidden, D = m->head_dim, I = m->intermediate, half = D / 2;
+    const int q_width = m->heads * D, kv_width = m->kv_heads * D, qkv_width = q_width + 2 * kv_width;
+    for (int l = 0; l < num_layers; l++) {
+        const Layer* layer = layers + l;
+        for (int t = 0; t < M; t++) {
+            float* residual = s->residual + (int64_t)t * H;
+            if (l == 0) memcpy(residual, hidden + (int64_t)t * H, H * sizeof(float));
+            add_rms_norm(residual, l == 0 ? NULL : hidden + (int64_t)t * H, layer->input_norm,
+                         s->normed + (int64_t)t * H, H, m->eps);
+        }
+        m->matmul(layer->qkv, s->normed, s->qkv, M, qkv_width, H, m->weight_type, m->threads);
+        for (int t = 0; t < M; t++) {
+            float* qkv = s->qkv + (int64_t)t * qkv_width;
+            rotate(qkv, m->heads + m->kv_heads, D, cos_cache + positions[t] * half, sin_cache + positions[t] * half);
+            memcpy(layer->kv_cache + slots[t] * kv_width, qkv + q_width, kv_width * sizeof(float));
+            memcpy(layer->kv_cache + (layer->cache_slots + slots[t]) * kv_width, qkv + q_width + kv_width,
+                   kv_width * sizeof(float));
+        }
+        for (int t = 0; t < M; t++)
+            attend(m, layer, s->qkv + (int64_t)t * qkv_width, block_ids + (int64_t)t * blocks_per_row, seq_lens[t],
+                   s->attn + (int64_t)t * q_width, s->scores);
+        m->matmul(layer->o, s->attn, hidden, M, H, q_width, m->weight_type, m->threads);
+        for (int t = 0; t < M; t++)
+            add_rms_norm(s->residual + (int64_t)t * H, hidden + (int64_t)t * H, layer->post_norm,
+                         s->normed + (int64_t)t * H, H, m->eps);
+        m->matmul(layer->gate_up, s->normed, s->gate_up, M, 2 * I, H, m->weight_type, m->threads);
+        for (int t = 0; t < M; t++) {
+            const float* gate = s->gate_up + (int64_t)t * 2 * I;
+            float* act = s->act + (int64_t)t * I;
+            for (int i = 0; i < I; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * gate[I + i];
+        }
+        m->matmul(layer->down, s->act, hidden, M, H, I, m->weight_type, m->threads);
+    }
+    for (int t = 0; t < M; t++)
+        add_rms_norm(s->residual + (int64_t)t * H, hidden + (int64_t)t * H, final_norm, hidden + (int64_t)t * H, H, m->eps);
+}
+"""
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("matmul", ctypes.c_void_p),
+        *((name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")),
+        *((name, ctypes.c_int) for name in ("weight_type", "threads", "block_size")),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down", "input_norm", "post_norm", "kv_cache")),
+        ("cache_slots", ctypes.c_int64),
+    ]
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("residual", "normed", "qkv", "attn", "gate_up", "act", "scores")),
+        ("scores_capacity", ctypes.c_int64),
+    ]
+
+
+_loaded: list[ctypes.CDLL | None] = []
+
+
+def load() -> ctypes.CDLL | None:
+    """The built step (once per process), or None where the GGUF kernels cannot run."""
+    if not _loaded:
+        library = gguf_kernels.build_library("cpu_decode", _SOURCE, "CPU decode step")
+        if library is not None:
+            library.cpu_decode_step.restype = None
+            library.cpu_decode_step.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
+            library.cpu_decode_step.argtypes += [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int]
+            library.cpu_decode_step.argtypes += [ctypes.c_void_p] * 2
+        _loaded.append(library)
+    return _loaded[0]
+
+
+def decode_step_obstacle(model: nn.Module) -> str | None:
+    """Why `model` (a causal LM) cannot decode through the C step, or None if it can."""
+    inner = getattr(model, "model", None)
+    if type(inner) is not DecoderModel:
+        return f"{type(model).__name__} is not a Llama-style DecoderModel"
+    if not (inner.is_first_stage and inner.is_last_stage):
+        return "the model is split into pipeline stages"
+    if type(inner.norm) is not RMSNorm:
+        return f"the final norm is a {type(inner.norm).__name__}"
+    linear_types = (QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
+    ggml_types = set()
+    for layer in inner.layers:
+        if type(layer) is not DecoderLayer or type(layer.self_attn) is not DecoderAttention:
+            return f"a layer is a {type(layer).__name__}"
+        if type(layer.mlp) is not DecoderMLP:
+            return f"a layer's MLP is a {type(layer.mlp).__name__}"
+        attention = layer.self_attn
+        if attention.qk_norm:
+            return "the attention normalizes q and k per head"
+        if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
+            return "a layer's norms are not RMSNorm"
+        impl = attention.attn.impl
+        if type(impl) is not TorchAttentionImpl or impl.sliding_window or impl.logits_soft_cap:
+            return "a layer's attention is not the torch backend's full attention"
+        if attention.head_size % 8 or inner.norm.weight.shape[0] % 8:
+            return "the head size or the hidden size is not a multiple of 8 (the step's vector width)"
+        linears = (attention.qkv_proj, attention.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        for linear, expected in zip(linears, linear_types, strict=True):
+            if type(linear) is not expected or not isinstance(linear.quant_method, GGUFBlockLinearMethod):
+                return "a linear layer does not hold GGUF blocks"
+            if linear.bias is not None:
+                return "a linear layer has a bias"
+            ggml_types.add(linear.quant_method.ggml_type)
+    if inner.norm.weight.dtype != torch.float32:
+        return f"the model runs in {inner.norm.weight.dtype}, the step in float32"
+    if len(ggml_types) != 1:
+        return f"the linears hold {len(ggml_types)} GGUF types"
+    return None
+
+
+class CPUDecodeStep:
+    """`DecoderModel.fused_decode`: runs a qualifying decode step (see the module docstring)."""
+
+    def __init__(self, library: ctypes.CDLL, model: DecoderModel) -> None:
+        self.library = library
+        self.model = model
+        first = model.layers[0]
+        attention, mlp = first.self_attn, first.mlp
+        self.hidden = model.norm.weight.shape[0]
+        self.q_width = attention.qkv_proj.num_heads * attention.head_size
+        self.qkv_width = self.q_width + 2 * attention.qkv_proj.num_kv_heads * attention.head_size
+        self.intermediate = mlp.gate_up_proj.gguf_blocks.shape[0] // 2
+        method = attention.qkv_proj.quant_method
+        self.shape = _Model(
+            ctypes.cast(gguf_kernels.load().gguf_matmul, ctypes.c_void_p).value,
+            self.hidden,
+            attention.qkv_proj.num_heads,
+            attention.qkv_proj.num_kv_heads,
+            attention.head_size,
+            self.intermediate,
+            method.ggml_type,
+            method.threads,
+            0,  # the cache's block size, set with the caches
+            first.input_layernorm.eps,
+            attention.attn.impl.scale,
+        )
+        self.layer_names = [layer.self_attn.attn.layer_name for layer in model.layers]
+        self.layers = (_Layer * len(model.layers))()
+        for entry, layer in zip(self.layers, model.layers, strict=True):
+            attention, mlp = layer.self_attn, layer.mlp
+            entry.qkv = attention.qkv_proj.gguf_blocks.data_ptr()
+            entry.o = attention.o_proj.gguf_blocks.data_ptr()
+            entry.gate_up = mlp.gate_up_proj.gguf_blocks.data_ptr()
+            entry.down = mlp.down_proj.gguf_blocks.data_ptr()
+            entry.input_norm = layer.input_layernorm.weight.data_ptr()
+            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+        self.kv_caches: dict[str, torch.Tensor] | None = None  # the caches the layers point at
+        self.caches_fit = False
+        widths = {
+            "residual": self.hidden,
+            "normed": self.hidden,
+            "qkv": self.qkv_width,
+            "attn": self.q_width,
+            "gate_up": 2 * self.intermediate,
+            "act": self.intermediate,
+        }
+        self.buffers = {name: torch.empty(MAX_ROWS, width) for name, width in widths.items()}
+        self.scores = torch.empty(0)
+        self.scratch = _Scratch(**{name: buffer.data_ptr() for name, buffer in self.buffers.items()})
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext
+    ) -> torch.Tensor | None:
+        """The final norm's output [T, hidden] for a qualifying step, else None (run the layers)."""
+        rows = input_ids.shape[0]
+        if rows > MAX_ROWS or context.kv_connector is not None or context.mm_embeddings is not None:
+            return None
+        if self.model.aux_hidden_state_layers:
+            return None
+        metadata = context.attn_metadata.get(self.layer_names[0])
+        if not isinstance(metadata, TorchAttentionMetadata) or metadata.cascade is not None:
+            return None
+        decode = metadata.decode
+        if decode is None or decode.token_index is not None or len(decode.seq_lens) != rows:
+            return None
+        if metadata.write_tokens is not None or any(context.attn_metadata[n] is not metadata for n in self.layer_names):
+            return None
+        if context.kv_caches is not self.kv_caches:
+            self._point_at(context.kv_caches)
+        if not self.caches_fit:
+            return None
+        group = self.shape.heads // self.shape.kv_heads
+        if group * decode.num_keys > self.scratch.scores_capacity:
+            self.scores = torch.empty(2 * group * decode.num_keys)
+            self.scratch.scores, self.scratch.scores_capacity = self.scores.data_ptr(), self.scores.numel()
+        hidden = self.model.embed_tokens(input_ids).float().contiguous()
+        positions = positions.contiguous().long()
+        seq_lens = decode.seq_lens.to(torch.int32)
+        rotary = self.model.rotary_emb
+        self.library.cpu_decode_step(
+            ctypes.byref(self.shape),
+            self.layers,
+            len(self.layers),
+            self.model.norm.weight.data_ptr(),
+            hidden.data_ptr(),
+            rows,
+            positions.data_ptr(),
+            rotary.cos_cache.data_ptr(),
+            rotary.sin_cache.data_ptr(),
+            metadata.write_slots.data_ptr(),
+            decode.block_ids.data_ptr(),
+            decode.num_blocks,
+            seq_lens.data_ptr(),
+            ctypes.byref(self.scratch),
+        )
+        return hidden
+
+    def _point_at(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Aim the layers at this cache (it changes only when the runner allocates it again)."""
+        self.kv_caches = kv_caches
+        caches = [kv_caches.get(name) for name in self.layer_names]
+        self.caches_fit = all(
+            cache is not None and cache.dtype == torch.float32 and cache.is_contiguous() for cache in caches
+        )
+        if not self.caches_fit:
+            return
+        self.shape.block_size = caches[0].shape[2]
+        for entry, cache in zip(self.layers, caches, strict=True):
+            entry.kv_cache = cache.data_ptr()
+            entry.cache_slots = cache.shape[1] * cache.shape[2]
+
+
+def attach(model: nn.Module) -> bool:
+    """Give `model`'s DecoderModel the C decode step where it can run (logged either way)."""
+    library = load()
+    obstacle = "the GGUF kernels cannot be built here" if library is None else decode_step_obstacle(model)
+    if obstacle is not None:
+        logger.info("CPU decode step off: %s", obstacle)
+        return False
+    model.model.fused_decode = CPUDecodeStep(library, model.model)
+    logger.info("CPU decode step on: decode steps of up to %d rows run as one C call", MAX_ROWS)
+    return True
