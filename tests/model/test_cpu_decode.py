@@ -29,6 +29,16 @@ def smollm2_blocks(load_model):
     return load_model(SMOLLM2, gguf_weights="blocks")
 
 
+def _recording(step, outputs: list):
+    """`step`, appending each of its results (None: a step it left to the layers) to `outputs`."""
+
+    def run(*args):
+        outputs.append(step(*args))
+        return outputs[-1]
+
+    return run
+
+
 def _step(model, kv_caches, token_ids, query_lens, seq_lens, block_tables):
     """Logits of one step planned as the torch backend's builder plans it."""
     metadata, positions = build_attn_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE)
@@ -62,7 +72,7 @@ def test_a_decode_step_matches_the_eager_layers(smollm2_blocks, rows: int) -> No
     new_ids = torch.randint(100, 10000, (rows,), generator=generator)
     seq_lens = [len(p) + 1 for p in prompts]
     ran = []
-    model.model.fused_decode = lambda *args: ran.append(step(*args)) or ran[-1]
+    model.model.fused_decode = _recording(step, ran)
     fused = _step(model, kv_caches, new_ids, [1] * rows, seq_lens, block_tables)
     model.model.fused_decode = None
     eager = _step(model, eager_caches, new_ids, [1] * rows, seq_lens, block_tables)
@@ -124,8 +134,7 @@ def test_smollm2_decodes_the_eager_tokens_through_the_step() -> None:
         assert (decoder.fused_decode is None) == eager
         ran = []
         if not eager:
-            step = decoder.fused_decode
-            decoder.fused_decode = lambda *args: ran.append(step(*args)) or ran[-1]
+            decoder.fused_decode = _recording(decoder.fused_decode, ran)
         outputs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)
         results[eager] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
         assert eager or sum(out is not None for out in ran) >= 2 * 23
