@@ -48,7 +48,7 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-typedef void (*matmul_fn)(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int threads);
+typedef int (*matmul_fn)(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int threads);
 
 typedef struct {
     matmul_fn matmul;
@@ -150,8 +150,9 @@ static void attend(const Model* m, const Layer* layer, const float* q, const int
 
 /* hidden [M, hidden]: the rows' embeddings in, the final norm's output out. Row t is a decode
    token at positions[t] writing its K/V at slots[t], its request's blocks
-   block_ids[t * blocks_per_row ...] holding seq_lens[t] positions (itself included). */
-void cpu_decode_step(const Model* m, const Layer* layers, int num_layers, const float* final_norm, float* hidden,
+   block_ids[t * blocks_per_row ...] holding seq_lens[t] positions (itself included). Returns 0, or
+   -1 where a GEMV could not allocate its activations' split. */
+int cpu_decode_step(const Model* m, const Layer* layers, int num_layers, const float* final_norm, float* hidden,
                      int M, const int64_t* positions, const float* cos_cache, const float* sin_cache,
                      const int64_t* slots, const int64_t* block_ids, int blocks_per_row, const int32_t* seq_lens,
                      const Scratch* s) {
@@ -165,7 +166,7 @@ void cpu_decode_step(const Model* m, const Layer* layers, int num_layers, const 
             add_rms_norm(residual, l == 0 ? NULL : hidden + (int64_t)t * H, layer->input_norm,
                          s->normed + (int64_t)t * H, H, m->eps);
         }
-        m->matmul(layer->qkv, s->normed, s->qkv, M, qkv_width, H, m->weight_type, m->threads);
+        if (m->matmul(layer->qkv, s->normed, s->qkv, M, qkv_width, H, m->weight_type, m->threads) != 0) return -1;
         for (int t = 0; t < M; t++) {
             float* qkv = s->qkv + (int64_t)t * qkv_width;
             rotate(qkv, m->heads + m->kv_heads, D, cos_cache + positions[t] * half, sin_cache + positions[t] * half);
@@ -176,20 +177,21 @@ void cpu_decode_step(const Model* m, const Layer* layers, int num_layers, const 
         for (int t = 0; t < M; t++)
             attend(m, layer, s->qkv + (int64_t)t * qkv_width, block_ids + (int64_t)t * blocks_per_row, seq_lens[t],
                    s->attn + (int64_t)t * q_width, s->scores);
-        m->matmul(layer->o, s->attn, hidden, M, H, q_width, m->weight_type, m->threads);
+        if (m->matmul(layer->o, s->attn, hidden, M, H, q_width, m->weight_type, m->threads) != 0) return -1;
         for (int t = 0; t < M; t++)
             add_rms_norm(s->residual + (int64_t)t * H, hidden + (int64_t)t * H, layer->post_norm,
                          s->normed + (int64_t)t * H, H, m->eps);
-        m->matmul(layer->gate_up, s->normed, s->gate_up, M, 2 * I, H, m->weight_type, m->threads);
+        if (m->matmul(layer->gate_up, s->normed, s->gate_up, M, 2 * I, H, m->weight_type, m->threads) != 0) return -1;
         for (int t = 0; t < M; t++) {
             const float* gate = s->gate_up + (int64_t)t * 2 * I;
             float* act = s->act + (int64_t)t * I;
             for (int i = 0; i < I; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * gate[I + i];
         }
-        m->matmul(layer->down, s->act, hidden, M, H, I, m->weight_type, m->threads);
+        if (m->matmul(layer->down, s->act, hidden, M, H, I, m->weight_type, m->threads) != 0) return -1;
     }
     for (int t = 0; t < M; t++)
         add_rms_norm(s->residual + (int64_t)t * H, hidden + (int64_t)t * H, final_norm, hidden + (int64_t)t * H, H, m->eps);
+    return 0;
 }
 """
 
@@ -226,7 +228,7 @@ def load() -> ctypes.CDLL | None:
     if not _loaded:
         library = gguf_kernels.build_library("cpu_decode", _SOURCE, "CPU decode step")
         if library is not None:
-            library.cpu_decode_step.restype = None
+            library.cpu_decode_step.restype = ctypes.c_int
             library.cpu_decode_step.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
             library.cpu_decode_step.argtypes += [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int]
             library.cpu_decode_step.argtypes += [ctypes.c_void_p] * 2
@@ -353,7 +355,7 @@ class CPUDecodeStep:
         positions = positions.contiguous().long()
         seq_lens = decode.seq_lens.to(torch.int32)
         rotary = self.model.rotary_emb
-        self.library.cpu_decode_step(
+        status = self.library.cpu_decode_step(
             ctypes.byref(self.shape),
             self.layers,
             len(self.layers),
@@ -369,6 +371,8 @@ class CPUDecodeStep:
             seq_lens.data_ptr(),
             ctypes.byref(self.scratch),
         )
+        if status != 0:
+            raise MemoryError("the CPU decode step's GEMVs could not allocate their activations' split")
         return hidden
 
     def _point_at(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -76,6 +76,38 @@ def test_a_team_gives_one_thread_s_bits(spin_us: int, num_tokens: int) -> None:
         KERNELS.gguf_set_spin_us(gguf_kernels.spin_us())
 
 
+@needs_kernels
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_a_token_s_result_does_not_depend_on_its_batch(qtype) -> None:
+    """Each token's activations are split on their own and its sums run in one order: the same
+    bits alone as in any group of four or in a remainder group."""
+    blocks, _ = _blocks(64, 256, qtype, seed=6)
+    x = torch.randn(7, 256)
+    batched = gguf_kernels.matmul(KERNELS, blocks, x, int(qtype), 1)
+    for i in range(7):
+        assert torch.equal(gguf_kernels.matmul(KERNELS, blocks, x[i : i + 1], int(qtype), 1)[0], batched[i])
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_activations_of_every_scale_keep_float32_accuracy(qtype) -> None:
+    """The int16 split keeps ~31 bits against a block's largest value: a block of zeros, values
+    spanning 30 binades beside one large value, and tiny and huge blocks all stay within a float32
+    GEMV's error of the float64 product."""
+    blocks, weight = _blocks(32, 128, qtype, seed=7)
+    generator = torch.Generator().manual_seed(8)
+    spans = torch.randn(128, generator=generator) * 2.0 ** torch.randint(-30, 0, (128,), generator=generator)
+    spans[5] = 3.0
+    x = torch.stack([torch.zeros(128), spans, torch.randn(128) * 1e-30, torch.randn(128) * 1e30])
+    x[0, 64:] = torch.randn(64)  # its first two blocks zero, the rest not
+    exact = x.double() @ weight.double().T
+    ours = gguf_kernels.matmul(KERNELS, blocks, x, int(qtype), 1).double()
+    linear = F.linear(x, weight).double()
+    for row in range(len(x)):
+        bound = 2 * (linear[row] - exact[row]).abs().max() + 1e-6 * exact[row].abs().max()
+        assert (ours[row] - exact[row]).abs().max() <= bound, row
+
+
 def test_helpers_spin_only_where_openmp_threads_sleep(monkeypatch) -> None:
     monkeypatch.delenv("PAGODA_KERNEL_SPIN_US", raising=False)
     monkeypatch.setattr(pagoda, "OPENMP_THREADS_SLEEP", True)

@@ -7,8 +7,9 @@ them as Q4_0, Q4_1 or Q8_0 (SmolLM2's tied Q8_0 embedding: 30 MB instead of 113)
 `VocabParallelEmbedding`. Up to `MAX_KERNEL_TOKENS` tokens a step, `gguf_kernels.matmul` reads
 the blocks directly; a larger step dequantizes the layer into a float32 scratch
 (`gguf_kernels.dequantize`, ~0.1-0.3 ms a SmolLM2 layer) and runs one GEMM, where the 4-bit
-read no longer dominates. Both dequantize exactly as the loader does, so the weights are the
-dequantized path's bit for bit. On the 2-core AVX2 machine (benchmarks/cpu_decode.py, float32,
+read no longer dominates. Both take the weights exactly as the loader dequantizes them (the
+kernel multiplies their integers, see `gguf_kernels`), so only the activations' rounding and the
+sums' order differ from the dequantized path. On the 2-core AVX2 machine (benchmarks/cpu_decode.py, float32,
 two rounds alternating): a single stream 49.8 / 48.8 ms a token against 65.1 / 62.7
 dequantized; 32 streams 100.3 / 102.8 tok/s against 112.2 / 108.4 (each such step dequantizes
 every layer again); resident memory 715 MiB against 1,049.

@@ -6,9 +6,17 @@ and the 4-bit blocks hold 0.625; neither ATen's int4 kernel (slower than float32
 AVX2, see config.py) nor an inductor-compiled dequantize-and-sum (5x slower than `F.linear`)
 reads them at that speed, and a direct AVX2 loop does (benchmarks/q4_gemv_cpu.py, RESULTS.md
 2026-12-07: SmolLM2's GEMVs a token 50.7 -> 11.4 ms with its prototype on two threads; in the
-engine, on one thread, its 4-bit layers take ~16 ms a token). Each block is dequantized with the
-loader's float32 operations (d (q - 8); d q + m: a product, then a sum, `-ffp-contract=off`;
-d q), so the weights are the dequantized path's bit for bit and only the sums' order differs.
+engine, on one thread, its 4-bit layers take ~16 ms a token).
+
+The matmul multiplies integers: the weights enter exactly (a block's integers q and its fp16 d
+and m), and each token's activations are split per 32 values into two int16 parts, x ~ scale (h +
+l / 65536) (~31 bits against the block's largest value), so a block's products are `vpmaddwd`
+multiply-adds summed exactly in int32; float32 rounding enters only where the blocks' sums are
+scaled and accumulated, as in any float32 GEMV (tests: within twice F.linear's error against
+float64). Against converting every weight to float32 and multiplying there, it takes about half
+the instructions a block (the 4-bit GEMVs were compute-bound at 3-5 GB/s on the 2-core AVX2
+machine). `gguf_dequantize` keeps the loader's float32 operations (d (q - 8); d q + m: a product,
+then a sum, `-ffp-contract=off`; d q): the larger steps' GEMMs use the loader's weights bit for bit.
 
 `PAGODA_KERNEL_SPIN_US` is how long the matmul's helper threads spin for the next call before
 they sleep (`spin_us`): by default DEFAULT_SPIN_US where torch's OpenMP threads sleep between
@@ -55,6 +63,7 @@ _SOURCE = r"""
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -95,36 +104,146 @@ static inline void dequantize_block(const uint8_t* block, int type, __m256 w[4])
 
 static inline int block_bytes_of(int type) { return type == 8 ? 34 : type == 3 ? 20 : 18; }
 
-/* Rows [n0, n1) of y[M, N] = x[M, K] W^T, W's rows as GGUF blocks of `type`: each block is
-   dequantized once per four tokens, whose sums stay in registers. */
-static void matmul_rows(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int n0, int n1) {
-    const int G = K / 32, block_bytes = block_bytes_of(type);
-    const int64_t row_bytes = (int64_t)G * block_bytes;
-    for (int n = n0; n < n1; n++) {
-        const uint8_t* row = w + n * row_bytes;
-        for (int m0 = 0; m0 < M; m0 += 4) {
-            const int count = M - m0 < 4 ? M - m0 : 4;
-            __m256 acc[4][2];
-            for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-            for (int g = 0; g < G; g++) {
-                __m256 wv[4];
-                dequantize_block(row + (int64_t)g * block_bytes, type, wv);
-                for (int t = 0; t < count; t++) {
-                    const float* xg = x + (int64_t)(m0 + t) * K + g * 32;
-                    acc[t][0] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xg), acc[t][0]);
-                    acc[t][1] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xg + 8), acc[t][1]);
-                    acc[t][0] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xg + 16), acc[t][0]);
-                    acc[t][1] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xg + 24), acc[t][1]);
-                }
-            }
-            for (int t = 0; t < count; t++) {
-                const __m256 sum = _mm256_add_ps(acc[t][0], acc[t][1]);
-                __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-                s = _mm_hadd_ps(s, s);
-                y[(int64_t)(m0 + t) * N + n] = _mm_cvtss_f32(_mm_hadd_ps(s, s));
-            }
+/* The activations as the matmul reads them: each token's 32-value blocks split into two int16
+   parts, x ~ scale (h + l / 65536) with scale = max |x| / 32767 (h the rounded quotient, l the
+   rounded remainder: ~31 bits against the block's largest value, finer than float32 keeps the
+   small ones), and each block's float32 sum (the Q4 offsets' term). */
+typedef struct {
+    int16_t *high, *low; /* [M, K] */
+    float *scale, *sum;  /* [M, K / 32] */
+} Split;
+
+static void split_activations(const float* x, int M, int K, const Split* out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < (int64_t)M * (K / 32); b++) {
+        const float* v = x + b * 32;
+        __m256 part[4], top = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+        for (int p = 0; p < 4; p++) {
+            part[p] = _mm256_loadu_ps(v + 8 * p);
+            top = _mm256_max_ps(top, _mm256_andnot_ps(sign, part[p]));
+            total = _mm256_add_ps(total, part[p]);
+        }
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        const float largest = _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+        __m128 u = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+        u = _mm_hadd_ps(u, u);
+        out->sum[b] = _mm_cvtss_f32(_mm_hadd_ps(u, u));
+        const float scale = largest / 32767.0f;
+        out->scale[b] = scale;
+        const __m256 to_high = _mm256_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+        __m256i high[4], low[4];
+        for (int p = 0; p < 4; p++) {
+            high[p] = _mm256_cvtps_epi32(_mm256_mul_ps(part[p], to_high));
+            const __m256 rest = _mm256_sub_ps(part[p], _mm256_mul_ps(_mm256_cvtepi32_ps(high[p]), _mm256_set1_ps(scale)));
+            /* (rest / scale) * 65536 in two steps: 65536 * 32767 / largest overflows for tiny blocks. */
+            low[p] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(rest, to_high), _mm256_set1_ps(65536.0f)));
+        }
+        /* packs interleaves the 128-bit lanes; 0xD8 puts the four 64-bit quarters back in order. */
+        for (int p = 0; p < 4; p += 2) {
+            _mm256_storeu_si256((__m256i*)(out->high + b * 32 + 8 * p),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(high[p], high[p + 1]), 0xD8));
+            _mm256_storeu_si256((__m256i*)(out->low + b * 32 + 8 * p),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(low[p], low[p + 1]), 0xD8));
         }
     }
+}
+
+/* A block's 32 weights as integers, int16 (weights 0-15, 16-31), its scale d and offset m: Q4_0
+   is d (q - 8) = d q + (-8 d), Q4_1 d q + m (q the low nibble of byte j for j < 16, else the high
+   nibble of byte j - 16), Q8_0 d q (32 int8). */
+static inline __attribute__((always_inline)) void block_integers(const uint8_t* block, const int type, __m256i q[2],
+                                                                 float* d, float* m) {
+    *d = half_at(block);
+    if (type == 8) {
+        q[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(block + 2)));
+        q[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(block + 18)));
+        *m = 0.0f;
+        return;
+    }
+    const __m128i bytes = _mm_loadu_si128((const __m128i*)(block + (type == 3 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    q[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+    q[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    *m = type == 3 ? half_at(block + 2) : -8.0f * *d;
+}
+
+/* y[m0 .. m0 + T) x rows [n0, n1) of y = x W^T. Per block, q . h and q . l are integer
+   multiply-adds (vpmaddwd; |sums| < 2^24, so exact in int32 and in float32), joined as
+   q . h + (q . l) / 65536, times scale, then d, into eight float32 lanes (d * scale first would
+   fall into float32's subnormals for tiny activations); the offsets' term
+   m * sum(x) adds up apart. One row's order of operations whatever T, the team or the batch:
+   a token's result never depends on the others'. T and `type` are constants where inlined. */
+static inline __attribute__((always_inline)) void matmul_tile(const uint8_t* w, const Split* x, float* y, int N, int K,
+                                                              const int type, int n0, int n1, int m0, const int T) {
+    const int G = K / 32, block_bytes = block_bytes_of(type);
+    const __m256 low_weight = _mm256_set1_ps(1.0f / 65536.0f);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t* row = w + (int64_t)n * G * block_bytes;
+        __m256 acc[4];
+        float offsets[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), offsets[t] = 0.0f;
+        for (int g = 0; g < G; g++) {
+            __m256i q[2];
+            float d, m;
+            block_integers(row + (int64_t)g * block_bytes, type, q, &d, &m);
+            const __m256 dv = _mm256_set1_ps(d);
+            for (int t = 0; t < T; t++) {
+                const int64_t b = (int64_t)(m0 + t) * G + g;
+                const __m256i* high = (const __m256i*)(x->high + b * 32);
+                const __m256i* low = (const __m256i*)(x->low + b * 32);
+                const __m256i qh = _mm256_add_epi32(_mm256_madd_epi16(q[0], _mm256_loadu_si256(high)),
+                                                    _mm256_madd_epi16(q[1], _mm256_loadu_si256(high + 1)));
+                const __m256i ql = _mm256_add_epi32(_mm256_madd_epi16(q[0], _mm256_loadu_si256(low)),
+                                                    _mm256_madd_epi16(q[1], _mm256_loadu_si256(low + 1)));
+                const __m256 sums = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ql), low_weight, _mm256_cvtepi32_ps(qh));
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(sums, _mm256_set1_ps(x->scale[b])), dv, acc[t]);
+                if (type != 8) offsets[t] += m * x->sum[b];
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+            s = _mm_hadd_ps(s, s);
+            y[(int64_t)(m0 + t) * N + n] = _mm_cvtss_f32(_mm_hadd_ps(s, s)) + offsets[t];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void matmul_rows_of(const uint8_t* w, const Split* x, float* y, int M,
+                                                                 int N, int K, const int type, int n0, int n1) {
+    for (int m0 = 0; m0 < M; m0 += 4) {
+        switch (M - m0) {
+            case 1: matmul_tile(w, x, y, N, K, type, n0, n1, m0, 1); break;
+            case 2: matmul_tile(w, x, y, N, K, type, n0, n1, m0, 2); break;
+            case 3: matmul_tile(w, x, y, N, K, type, n0, n1, m0, 3); break;
+            default: matmul_tile(w, x, y, N, K, type, n0, n1, m0, 4); break;
+        }
+    }
+}
+
+/* Rows [n0, n1) of y[M, N] = x[M, K] W^T, W's rows as GGUF blocks of `type`, x split. */
+static void matmul_rows(const uint8_t* w, const Split* x, float* y, int M, int N, int K, int type, int n0, int n1) {
+    switch (type) {
+        case 2: matmul_rows_of(w, x, y, M, N, K, 2, n0, n1); break;
+        case 3: matmul_rows_of(w, x, y, M, N, K, 3, n0, n1); break;
+        default: matmul_rows_of(w, x, y, M, N, K, 8, n0, n1); break;
+    }
+}
+
+/* The calling thread's split of its activations, grown as needed and kept for its next calls. */
+static const Split* split_for(const float* x, int M, int K) {
+    static __thread Split split;
+    static __thread int64_t capacity;
+    const int64_t values = (int64_t)M * K;
+    if (values > capacity) {
+        free(split.high), free(split.low), free(split.scale), free(split.sum);
+        split.high = malloc(values * sizeof(int16_t)), split.low = malloc(values * sizeof(int16_t));
+        split.scale = malloc(values / 32 * sizeof(float)), split.sum = malloc(values / 32 * sizeof(float));
+        capacity = split.high && split.low && split.scale && split.sum ? values : 0;
+        if (capacity == 0) return NULL;
+    }
+    split_activations(x, M, K, &split);
+    return &split;
 }
 
 /* The matmul's team: the calling thread and up to `threads - 1` helper threads of our own (not
@@ -140,7 +259,7 @@ static void matmul_rows(const uint8_t* w, const float* x, float* y, int M, int N
 
 static struct {
     const uint8_t* w;
-    const float* x;
+    const Split* x;
     float* y;
     int M, N, K, type, chunk_rows;
 } job;
@@ -232,17 +351,20 @@ static void start_helpers(int count) {
 void gguf_set_spin_us(int spin_us) { spin_ns = (long)spin_us * 1000; }
 
 /* y[M, N] = x[M, K] W^T, W's rows as GGUF blocks of `type`, on the caller and up to `threads - 1`
-   helpers. A caller that finds the team busy (another thread's matmul) works alone. */
-void gguf_matmul(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int threads) {
+   helpers. A caller that finds the team busy (another thread's matmul) works alone. Returns 0, or
+   -1 where the activations' split could not be allocated (y untouched). */
+int gguf_matmul(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int threads) {
+    const Split* split = split_for(x, M, K);
+    if (split == NULL) return -1;
     int chunk_rows = (N + 65534) / 65535;
     if (chunk_rows < MIN_CHUNK_ROWS) chunk_rows = MIN_CHUNK_ROWS;
     const int chunks = (N + chunk_rows - 1) / chunk_rows;
     if (threads <= 1 || chunks < 2 || pthread_mutex_trylock(&job_lock) != 0) {
-        matmul_rows(w, x, y, M, N, K, type, 0, N);
-        return;
+        matmul_rows(w, split, y, M, N, K, type, 0, N);
+        return 0;
     }
     start_helpers(threads - 1 < MAX_HELPERS ? threads - 1 : MAX_HELPERS);
-    job.w = w, job.x = x, job.y = y, job.M = M, job.N = N, job.K = K, job.type = type, job.chunk_rows = chunk_rows;
+    job.w = w, job.x = split, job.y = y, job.M = M, job.N = N, job.K = K, job.type = type, job.chunk_rows = chunk_rows;
     atomic_store_explicit(&chunks_done, 0, memory_order_relaxed);
     const uint32_t gen = ++generation;
     atomic_store_explicit(&claim_word, ((uint64_t)gen << 32) | ((uint64_t)chunks << 16), memory_order_release);
@@ -253,6 +375,7 @@ void gguf_matmul(const uint8_t* w, const float* x, float* y, int M, int N, int K
         if (i % 1024 == 0) sched_yield(); else _mm_pause();
     }
     pthread_mutex_unlock(&job_lock);
+    return 0;
 }
 
 /* out[N, K] float32: W dequantized (a step too large for the matmul above, or an embedding's
@@ -320,7 +443,7 @@ def _build_and_load() -> ctypes.CDLL | None:
     kernels = build_library("gguf_blocks", _SOURCE, "GGUF block kernels")
     if kernels is None:
         return None
-    kernels.gguf_matmul.restype = None
+    kernels.gguf_matmul.restype = ctypes.c_int
     kernels.gguf_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
     kernels.gguf_set_spin_us.restype = None
     kernels.gguf_set_spin_us.argtypes = [ctypes.c_int]
@@ -380,7 +503,8 @@ def matmul(
     m, k = x.shape
     n = blocks.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    kernels.gguf_matmul(blocks.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, ggml_type, threads)
+    if kernels.gguf_matmul(blocks.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, ggml_type, threads) != 0:
+        raise MemoryError(f"the GGUF matmul could not allocate the split of {m} x {k} activations")
     return y
 
 
