@@ -15,7 +15,10 @@ import torch
 # Start of every packed buffer, in bytes (aligned vector loads; the caching allocator's granule).
 _ALIGNMENT = 512
 # Staged spans this close together are sent as one copy, the bytes between them included: on
-# the device a copy of 256 KiB takes about what one more launch costs the host.
+# the device a copy of 256 KiB takes about what one more launch costs the host. On the CPU a
+# "device" copy is a memcpy with no launch to save, so only touching spans merge there (a merged
+# copy of 64 KiB or more also splits over torch's threads, and one of them descheduled on a
+# loaded machine stalled it for milliseconds).
 _MERGE_GAP_BYTES = 256 * 1024
 
 
@@ -47,7 +50,15 @@ class PackedStaging:
     few copies as their gaps allow, usually one). A device view handed out by `stage` holds the
     host's values only once `send()` is queued: nothing may read it on the device before."""
 
-    def __init__(self, sizes: dict[str, tuple[int, torch.dtype]], device: torch.device, pin_memory: bool) -> None:
+    def __init__(
+        self,
+        sizes: dict[str, tuple[int, torch.dtype]],
+        device: torch.device,
+        pin_memory: bool,
+        merge_gap_bytes: int | None = None,
+    ) -> None:
+        """`merge_gap_bytes`: spans at most this far apart go in one copy (None: the device's
+        default, see `_MERGE_GAP_BYTES`)."""
         offsets: dict[str, int] = {}
         total = 0
         for name, (size, dtype) in sizes.items():
@@ -57,6 +68,9 @@ class PackedStaging:
             total += -(size * dtype.itemsize // -_ALIGNMENT) * _ALIGNMENT
         self._host = torch.zeros(total, dtype=torch.uint8, pin_memory=pin_memory)
         self._device = torch.zeros(total, dtype=torch.uint8, device=device)
+        if merge_gap_bytes is None:
+            merge_gap_bytes = 0 if self._device.device.type == "cpu" else _MERGE_GAP_BYTES
+        self._merge_gap = merge_gap_bytes
         self.buffers: dict[str, CpuGpuBuffer] = {}
         self._offset_of: dict[int, int] = {}
         for name, (size, dtype) in sizes.items():
@@ -86,7 +100,7 @@ class PackedStaging:
         self._spans.clear()
         merged: list[list[int]] = []
         for start, end in spans:
-            if merged and start - merged[-1][1] <= _MERGE_GAP_BYTES:
+            if merged and start - merged[-1][1] <= self._merge_gap:
                 merged[-1][1] = max(merged[-1][1], end)
             else:
                 merged.append([start, end])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagoda.worker.cpu_gpu_buffer import CpuGpuBuffer, PackedStaging
+from pagoda.worker.cpu_gpu_buffer import _MERGE_GAP_BYTES, CpuGpuBuffer, PackedStaging
 
 SIZES = {
     "lens": (9, torch.int32),
@@ -17,7 +17,8 @@ SIZES = {
 
 
 def make_staging() -> PackedStaging:
-    return PackedStaging(SIZES, torch.device("cpu"), pin_memory=False)
+    """Merging as on a GPU (the CPU's default merges only touching spans)."""
+    return PackedStaging(SIZES, torch.device("cpu"), pin_memory=False, merge_gap_bytes=_MERGE_GAP_BYTES)
 
 
 def test_staged_prefixes_arrive_and_the_rest_stays() -> None:
@@ -45,6 +46,19 @@ def test_close_spans_go_in_one_copy_far_ones_apart() -> None:
     staging.stage(staging["slots"], 2)
     assert staging.send() == 2
     assert staging.send() == 0  # nothing staged since
+
+
+def test_on_the_cpu_only_touching_spans_merge() -> None:
+    """A CPU copy saves no launch: the bytes between spans would be copied for nothing."""
+    staging = PackedStaging(SIZES, torch.device("cpu"), pin_memory=False)
+    staging["rows"].np[:] = 7
+    staging.stage(staging["lens"], 3)
+    staging.stage(staging["rows"], 8)
+    assert staging.send() == 2
+    staging.stage(staging["rows"], 2)
+    staging.stage(staging["rows"], 8)
+    assert staging.send() == 1
+    assert staging["rows"].gpu.tolist() == [7] * 8
 
 
 def test_a_staged_buffer_is_sent_once_per_send() -> None:
