@@ -12,8 +12,9 @@ The matmul multiplies integers: the weights enter exactly (a block's integers q 
 and m), and each token's activations are split per 32 values into two int16 parts, x ~ scale (h +
 l / 65536) (~31 bits against the block's largest value), so a block's products are `vpmaddwd`
 multiply-adds summed exactly in int32; float32 rounding enters only where the blocks' sums are
-scaled and accumulated, as in any float32 GEMV (tests: within twice F.linear's error against
-float64). Against converting every weight to float32 and multiplying there, it takes about half
+scaled and accumulated, and where a Q4 block's offset term (m times the block's sum of x) adds
+to them apart (the two partly cancel): within twice F.linear's error against float64 (tests).
+Against converting every weight to float32 and multiplying there, it takes about half
 the instructions a block (the 4-bit GEMVs were compute-bound at 3-5 GB/s on the 2-core AVX2
 machine). `gguf_dequantize` keeps the loader's float32 operations (d (q - 8); d q + m: a product,
 then a sum, `-ffp-contract=off`; d q): the larger steps' GEMMs use the loader's weights bit for bit.
