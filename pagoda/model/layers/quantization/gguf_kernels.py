@@ -154,19 +154,23 @@ static void split_activations(const float* x, int M, int K, const Split* out) {
    is d (q - 8) = d q + (-8 d), Q4_1 d q + m (q the low nibble of byte j for j < 16, else the high
    nibble of byte j - 16), Q8_0 d q (32 int8). */
 static inline __attribute__((always_inline)) void block_integers(const uint8_t* block, const int type, __m256i q[2],
-                                                                 float* d, float* m) {
-    *d = half_at(block);
+                                                                 __m256* d, __m128* m) {
+    /* d (and Q4_1's m, the next two bytes) converted together: lane 0 d, lane 1 m. */
+    uint32_t halves;
+    memcpy(&halves, block, type == 3 ? 4 : 2);
+    const __m128 scales = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(type == 3 ? halves : halves & 0xFFFF)));
+    *d = _mm256_broadcastss_ps(scales);
     if (type == 8) {
         q[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(block + 2)));
         q[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(block + 18)));
-        *m = 0.0f;
+        *m = _mm_setzero_ps();
         return;
     }
     const __m128i bytes = _mm_loadu_si128((const __m128i*)(block + (type == 3 ? 4 : 2)));
     const __m128i mask = _mm_set1_epi8(0x0F);
     q[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
     q[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-    *m = type == 3 ? half_at(block + 2) : -8.0f * *d;
+    *m = type == 3 ? _mm_movehdup_ps(scales) : _mm_mul_ss(scales, _mm_set_ss(-8.0f));
 }
 
 /* y[m0 .. m0 + T) x rows [n0, n1) of y = x W^T. Per block, q . h and q . l are integer
@@ -182,13 +186,13 @@ static inline __attribute__((always_inline)) void matmul_tile(const uint8_t* w, 
     for (int n = n0; n < n1; n++) {
         const uint8_t* row = w + (int64_t)n * G * block_bytes;
         __m256 acc[4];
-        float offsets[4];
-        for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), offsets[t] = 0.0f;
+        __m128 offsets[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), offsets[t] = _mm_setzero_ps();
         for (int g = 0; g < G; g++) {
             __m256i q[2];
-            float d, m;
-            block_integers(row + (int64_t)g * block_bytes, type, q, &d, &m);
-            const __m256 dv = _mm256_set1_ps(d);
+            __m256 dv;
+            __m128 m;
+            block_integers(row + (int64_t)g * block_bytes, type, q, &dv, &m);
             for (int t = 0; t < T; t++) {
                 const int64_t b = (int64_t)(m0 + t) * G + g;
                 const __m256i* high = (const __m256i*)(x->high + b * 32);
@@ -199,13 +203,13 @@ static inline __attribute__((always_inline)) void matmul_tile(const uint8_t* w, 
                                                     _mm256_madd_epi16(q[1], _mm256_loadu_si256(low + 1)));
                 const __m256 sums = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ql), low_weight, _mm256_cvtepi32_ps(qh));
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(sums, _mm256_set1_ps(x->scale[b])), dv, acc[t]);
-                if (type != 8) offsets[t] += m * x->sum[b];
+                if (type != 8) offsets[t] = _mm_fmadd_ss(m, _mm_load_ss(x->sum + b), offsets[t]);
             }
         }
         for (int t = 0; t < T; t++) {
             __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
             s = _mm_hadd_ps(s, s);
-            y[(int64_t)(m0 + t) * N + n] = _mm_cvtss_f32(_mm_hadd_ps(s, s)) + offsets[t];
+            y[(int64_t)(m0 + t) * N + n] = _mm_cvtss_f32(_mm_add_ss(_mm_hadd_ps(s, s), offsets[t]));
         }
     }
 }
