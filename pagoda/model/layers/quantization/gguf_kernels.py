@@ -166,10 +166,10 @@ static inline __attribute__((always_inline)) void block_integers(const uint8_t* 
         *m = _mm_setzero_ps();
         return;
     }
-    const __m128i bytes = _mm_loadu_si128((const __m128i*)(block + (type == 3 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    q[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
-    q[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    /* The 16 bytes widened to int16 once: the low nibbles are weights 0-15, the high ones 16-31. */
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(block + (type == 3 ? 4 : 2))));
+    q[0] = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
+    q[1] = _mm256_srli_epi16(bytes, 4);
     *m = type == 3 ? _mm_movehdup_ps(scales) : _mm_mul_ss(scales, _mm_set_ss(-8.0f));
 }
 
