@@ -65,7 +65,7 @@ def test_the_matmul_reads_blocks_as_the_loader_dequantizes_them(qtype, num_token
 def test_a_team_gives_one_thread_s_bits(spin_us: int, num_tokens: int) -> None:
     """The caller and its helpers split rows in chunks: each row sums in one order whoever
     computes it, whether the helpers spin for the next call or sleep (woken by it)."""
-    blocks, _ = _blocks(1000, 256, gguf.GGMLQuantizationType.Q4_1, seed=5)  # 32 chunks
+    blocks, _ = _blocks(4000, 256, gguf.GGMLQuantizationType.Q4_1, seed=5)  # 10 chunks of 409 rows
     x = torch.randn(num_tokens, 256)
     alone = gguf_kernels.matmul(KERNELS, blocks, x, 3, 1)
     try:

@@ -185,6 +185,11 @@ static inline __attribute__((always_inline)) void matmul_tile(const uint8_t* w, 
     const __m256 low_weight = _mm256_set1_ps(1.0f / 65536.0f);
     for (int n = n0; n < n1; n++) {
         const uint8_t* row = w + (int64_t)n * G * block_bytes;
+        /* The row after next into the caches, ahead of the hardware prefetcher (a hint: past the
+           weights' end it reads nothing). Against none, two threads: the Q8_0 head 1,500 -> 1,320
+           us, the Q4_1 GEMVs 2-7% faster. */
+        const int64_t row_bytes = (int64_t)G * block_bytes;
+        for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch((const char*)row + 2 * row_bytes + line, _MM_HINT_T0);
         __m256 acc[4];
         __m128 offsets[4];
         for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps(), offsets[t] = _mm_setzero_ps();
@@ -260,7 +265,12 @@ static const Split* split_for(const float* x, int M, int K) {
    job. OpenMP's team would instead wake its sleeping threads and wait for them at every region
    (~100 us each with OMP_WAIT_POLICY=PASSIVE: more than a decode step's layer takes). */
 #define MAX_HELPERS 15
-#define MIN_CHUNK_ROWS 32
+/* A chunk is about CHUNK_BYTES of weights (at least 16 rows): one stream long enough for the
+   prefetchers, and still a few chunks a thread in a decode step's smallest GEMVs. Measured on the
+   2-core AVX2 machine against 32-row chunks (two threads): 3072 x 576 Q4_1 95-98 -> 84-85 us, the
+   Q8_0 head 1,396-1,420 -> 1,318-1,344 us, the 576-row GEMVs within noise. */
+#define CHUNK_BYTES 65536
+#define MIN_CHUNK_ROWS 16
 
 static struct {
     const uint8_t* w;
@@ -361,8 +371,9 @@ void gguf_set_spin_us(int spin_us) { spin_ns = (long)spin_us * 1000; }
 int gguf_matmul(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int threads) {
     const Split* split = split_for(x, M, K);
     if (split == NULL) return -1;
-    int chunk_rows = (N + 65534) / 65535;
+    int chunk_rows = CHUNK_BYTES / ((K / 32) * block_bytes_of(type));
     if (chunk_rows < MIN_CHUNK_ROWS) chunk_rows = MIN_CHUNK_ROWS;
+    if (chunk_rows < (N + 65534) / 65535) chunk_rows = (N + 65534) / 65535;  /* chunks fit the claim word's 16 bits */
     const int chunks = (N + chunk_rows - 1) / chunk_rows;
     if (threads <= 1 || chunks < 2 || pthread_mutex_trylock(&job_lock) != 0) {
         matmul_rows(w, split, y, M, N, K, type, 0, N);
