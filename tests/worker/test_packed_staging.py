@@ -37,28 +37,26 @@ def test_staged_prefixes_arrive_and_the_rest_stays() -> None:
     assert not staging["ids"].gpu.any()  # not staged, between staged spans too far apart
 
 
-def test_close_spans_go_in_one_copy_far_ones_apart() -> None:
-    staging = make_staging()
+@pytest.mark.parametrize(
+    ("merge_gap_bytes", "copies"), [(_MERGE_GAP_BYTES, 1), (None, 2)], ids=["gpu-gap", "cpu-default"]
+)
+def test_close_spans_merge_only_where_a_copy_costs_a_launch(merge_gap_bytes: int | None, copies: int) -> None:
+    """Spans 500 bytes apart go in one copy with a GPU's gap; on the CPU (the default there) a copy
+    saves no launch, so the bytes between would be copied for nothing. Overlapping spans are one
+    copy and far ones two either way."""
+    staging = PackedStaging(SIZES, torch.device("cpu"), pin_memory=False, merge_gap_bytes=merge_gap_bytes)
+    staging["rows"].np[:] = 7
     staging.stage(staging["lens"], 3)
+    staging.stage(staging["rows"], 8)
+    assert staging.send() == copies
+    assert staging["rows"].gpu.tolist() == [7] * 8
+    staging.stage(staging["rows"], 2)
     staging.stage(staging["rows"], 8)
     assert staging.send() == 1
     staging.stage(staging["lens"], 3)
     staging.stage(staging["slots"], 2)
     assert staging.send() == 2
     assert staging.send() == 0  # nothing staged since
-
-
-def test_on_the_cpu_only_touching_spans_merge() -> None:
-    """A CPU copy saves no launch: the bytes between spans would be copied for nothing."""
-    staging = PackedStaging(SIZES, torch.device("cpu"), pin_memory=False)
-    staging["rows"].np[:] = 7
-    staging.stage(staging["lens"], 3)
-    staging.stage(staging["rows"], 8)
-    assert staging.send() == 2
-    staging.stage(staging["rows"], 2)
-    staging.stage(staging["rows"], 8)
-    assert staging.send() == 1
-    assert staging["rows"].gpu.tolist() == [7] * 8
 
 
 def test_a_staged_buffer_is_sent_once_per_send() -> None:
