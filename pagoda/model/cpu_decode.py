@@ -400,10 +400,10 @@ class CPUDecodeStep:
 
 def attach(model: nn.Module) -> bool:
     """Give `model`'s DecoderModel the C decode step where it can run (logged either way)."""
-    library = load()
-    obstacle = "the GGUF kernels cannot be built here" if library is None else decode_step_obstacle(model)
-    if obstacle is not None:
-        logger.info("CPU decode step off: %s", obstacle)
+    obstacle = decode_step_obstacle(model)
+    library = load() if obstacle is None else None  # built only for a model that can use it
+    if library is None:
+        logger.info("CPU decode step off: %s", obstacle or "the GGUF kernels cannot be built here")
         return False
     model.model.fused_decode = CPUDecodeStep(library, model.model)
     logger.info("CPU decode step on: decode steps of up to %d rows run as one C call", MAX_ROWS)
