@@ -60,7 +60,7 @@ def linear(
         and (bias is None or bias.dtype == x.dtype)
     ):
         n, k = weight.shape
-        if x.shape[0] == 1 and triton_row_gemv.tuned_config(n, k, x.dtype) is not None:
+        if x.shape[0] == 1 and (n, k, x.dtype) in triton_row_gemv.TUNED_CONFIGS:
             return triton_row_gemv.row_gemv(x, weight, bias=bias)
         if tuned_config(n, k, x.shape[0], x.dtype) is not None:
             return gemv(x, weight, bias)
