@@ -35,6 +35,7 @@ GEMV_MAX_TOKENS = 8
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 if TRITON_AVAILABLE:
+    from pagoda.model.ops import triton_row_gemv
     from pagoda.model.ops.triton_gemv import batch_invariant_linear, gemv, tuned_config
 
 
@@ -44,7 +45,8 @@ def linear(
     """F.linear(x, weight, bias). With `batch_invariant`, where Triton runs, every row through
     `batch_invariant_linear` (one tiling of K for every batch size). Otherwise, for 1 to GEMV_MAX_TOKENS tokens [M, K] of bf16/fp16 on CUDA, on the
     weight shapes where it was measured faster than cuBLAS (triton_gemv.TUNED_CONFIGS), it runs
-    the Triton GEMV, which reads the weight at closer to copy bandwidth."""
+    the Triton GEMV, which reads the weight at closer to copy bandwidth; a single token, on the
+    shapes where it measured fastest (triton_row_gemv.TUNED_CONFIGS), the tensor-core-free one."""
     if batch_invariant and triton_runs(x):
         rows = x.reshape(-1, x.shape[-1])
         return batch_invariant_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
@@ -56,7 +58,10 @@ def linear(
         and weight.dtype == x.dtype
         and weight.is_contiguous()
         and (bias is None or bias.dtype == x.dtype)
-        and tuned_config(weight.shape[0], weight.shape[1], x.shape[0], x.dtype) is not None
     ):
-        return gemv(x, weight, bias)
+        n, k = weight.shape
+        if x.shape[0] == 1 and (n, k, x.dtype) in triton_row_gemv.TUNED_CONFIGS:
+            return triton_row_gemv.row_gemv(x, weight, bias=bias)
+        if tuned_config(n, k, x.shape[0], x.dtype) is not None:
+            return gemv(x, weight, bias)
     return F.linear(x, weight, bias)

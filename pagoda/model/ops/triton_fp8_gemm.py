@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.model.ops.triton_gemv import SUM_BLOCK_SIZE, sum_splits_kernel
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 # Smallest scale a quantizer divides by, so an all-zero row quantizes to zeros, not NaN.
@@ -36,7 +38,6 @@ MIN_SCALE = 1e-12
 QUANT_BLOCK = 1024
 # Rows of x `fp8_gemv` multiplies: the smallest tile `tl.dot` takes.
 GEMV_MAX_TOKENS = 16
-SUM_BLOCK_SIZE = 1024
 # SM count assumed off CUDA (the interpreter): an H100/H200's.
 DEFAULT_NUM_SMS = 132
 # K per split and the most splits of the GEMV's default config (see default_gemv_config).
@@ -298,21 +299,6 @@ def _fp8_gemv_kernel(
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M", "split_k"])
-def _sum_splits_kernel(
-    partials_ptr, bias_ptr, out_ptr, M, N, split_k, stride_om, HAS_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr
-):
-    m = tl.program_id(1)
-    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offs < N
-    acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
-    for split in range(split_k):
-        acc += tl.load(partials_ptr + (split * M + m) * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def fp8_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -372,7 +358,7 @@ def fp8_gemv(
         num_stages=config.num_stages,
     )
     if write_partials:
-        _sum_splits_kernel[(triton.cdiv(n, SUM_BLOCK_SIZE), m)](
+        sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK_SIZE))](
             target, bias_arg, out, m, n, split_k, out.stride(0), HAS_BIAS=bias is not None, BLOCK_SIZE=SUM_BLOCK_SIZE
         )
     return out

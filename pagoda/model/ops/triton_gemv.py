@@ -290,7 +290,7 @@ def _gemv_kernel(
     mask = n_mask[:, None] & m_mask[None, :]
     if FUSE_SPLITS:
         # Every split of K in this one program, summed in split order from zero in float32:
-        # the same additions _sum_splits_kernel makes over the partials of split programs.
+        # the same additions sum_splits_kernel makes over the partials of split programs.
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for split in range(num_splits):
             k_start = split * k_per_split
@@ -317,7 +317,7 @@ def _gemv_kernel(
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
-def _sum_splits_kernel(
+def sum_splits_kernel(
     partials_ptr,
     bias_ptr,
     out_ptr,
@@ -614,7 +614,7 @@ def _launch(
         num_stages=tiling.num_stages,
     )
     if write_partials:
-        _sum_splits_kernel[(num_tokens, triton.cdiv(out_features, SUM_BLOCK_SIZE))](
+        sum_splits_kernel[(num_tokens, triton.cdiv(out_features, SUM_BLOCK_SIZE))](
             target,
             x if bias is None else bias,
             out,

@@ -1,11 +1,12 @@
 """FP8 (e4m3) quantization and the FP8 linear, with the kernel chosen per call.
 
-On CUDA a linear with per-channel weight scales runs, by token count, either the Triton
+On CUDA a linear with per-channel weight scales runs, by token count, either a Triton
 weight-only kernel (x stays in the activation dtype; decode-sized batches, where reading W is
-the cost) or per-token dynamic quantization + `torch._scaled_mm` (rowwise scales, cuBLASLt's
-FP8 tensor cores); block-wise weights run the Triton block-scaled kernel, x quantized per token
-and K-group for prefill-sized batches. `benchmarks/fp8_gemm.py` measures each choice per shape
-so that `WEIGHT_ONLY_MAX_TOKENS` can be set from measurements.
+the cost: `row_gemv` for one token, `fp8_gemv` for up to 16) or per-token dynamic
+quantization + `torch._scaled_mm` (rowwise scales, cuBLASLt's FP8 tensor cores); block-wise
+weights run the Triton block-scaled kernel, x quantized per token and K-group for
+prefill-sized batches. `benchmarks/fp8_gemm.py` measures each choice per shape so that
+`WEIGHT_ONLY_MAX_TOKENS` can be set from measurements.
 
 Elsewhere (the CPU) the same numerics run in torch ops: x quantized to FP8 and back as the
 GPU's W8A8 path does, the weight dequantized, the product in float32.
@@ -24,6 +25,8 @@ MIN_SCALE = 1e-12
 # Up to this many tokens (at most triton_fp8_gemm.GEMV_MAX_TOKENS) the weight-only Triton GEMV
 # runs instead of quantizing x.
 WEIGHT_ONLY_MAX_TOKENS = 16
+# A single token runs the tensor-core-free `row_gemv` rather than `fp8_gemv`'s 16-row dots.
+ROW_GEMV = True
 # torch._scaled_mm needs K and N to be multiples of 16.
 SCALED_MM_ALIGNMENT = 16
 # cuBLASLt's fast FP8 accumulation (fewer promotions to float32 along K): faster, less exact;
@@ -32,6 +35,7 @@ SCALED_MM_FAST_ACCUM = False
 
 if ops.TRITON_AVAILABLE:
     from pagoda.model.ops.triton_fp8_gemm import GEMV_MAX_TOKENS, fp8_gemm, fp8_gemv, quantize_rows
+    from pagoda.model.ops.triton_row_gemv import row_gemv
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -144,6 +148,8 @@ def fp8_linear(
     `block_size`. input_scale: a static per-tensor activation scale (None: dynamic)."""
     if not ops.use_triton(x):
         return _reference_linear(x, weight, weight_scale, block_size, input_scale, bias)
+    if x.shape[0] == 1 and ROW_GEMV:
+        return row_gemv(x, weight, weight_scale, block_size=block_size, bias=bias)
     if x.shape[0] <= min(WEIGHT_ONLY_MAX_TOKENS, GEMV_MAX_TOKENS):
         return fp8_gemv(x, weight, weight_scale, block_size=block_size, bias=bias)
     if block_size is not None:
