@@ -14,8 +14,10 @@ import torch
 
 pytest.importorskip("triton")  # conftest.py turns on its interpreter when there is no GPU
 
+from pagoda.model import ops
 from pagoda.model.layers.quantization.fp8_ops import dequantize, quantize_blocks, quantize_per_channel
-from pagoda.model.ops.triton_row_gemv import RowGemvConfig, default_config, row_gemv
+from pagoda.model.ops import triton_row_gemv
+from pagoda.model.ops.triton_row_gemv import RowGemvConfig, default_config, row_gemv, row_gemv_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -66,6 +68,31 @@ def test_default_config_splits_k_only_when_rows_leave_the_gpu_idle():
     assert narrow.split_k > 1 and narrow.block_k == 512
     assert default_config(n=1024, k=4096, element_size=2, scale_block_k=0, num_sms=132).block_k == 256
     assert default_config(n=1024, k=4096, element_size=1, scale_block_k=128, num_sms=132).block_k == 128
+
+
+def test_tuned_shapes_take_their_config_and_one_token_reaches_the_kernel(monkeypatch):
+    """A TUNED_CONFIGS entry is the shape's config (not for a block scale it does not divide), and
+    `ops.linear` sends one 16-bit token of a tuned shape to the row GEMV, anything else elsewhere."""
+    tuned = RowGemvConfig(block_n=4, block_k=32, split_k=1)
+    monkeypatch.setitem(triton_row_gemv.TUNED_CONFIGS, (24, 64, torch.bfloat16), tuned)
+    device = torch.device(DEVICE)
+    assert row_gemv_config(24, 64, torch.bfloat16, 0, device) == tuned
+    assert row_gemv_config(24, 64, torch.bfloat16, 16, device) != tuned  # 16-column scale blocks
+    assert row_gemv_config(24, 64, torch.float16, 0, device) != tuned
+    calls = []
+
+    def spy(x, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return row_gemv(x, weight, bias=bias)
+
+    monkeypatch.setattr(ops, "use_triton", lambda x: True)
+    monkeypatch.setattr(triton_row_gemv, "row_gemv", spy)
+    weight = torch.randn(24, 64, device=DEVICE).to(torch.bfloat16)
+    x = torch.randn(1, 64, device=DEVICE).to(torch.bfloat16)
+    torch.testing.assert_close(ops.linear(x, weight), torch.nn.functional.linear(x, weight), atol=2e-2, rtol=2e-2)
+    ops.linear(x, torch.randn(40, 64, device=DEVICE).to(torch.bfloat16))  # untuned shape
+    ops.linear(torch.cat([x, x]), weight)  # two tokens
+    assert calls == [(24, 64)]
 
 
 def test_bad_operands_are_refused():
