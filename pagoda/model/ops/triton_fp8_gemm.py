@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.model.ops.triton_gemv import SUM_BLOCK_SIZE, sum_splits_kernel
+from pagoda.model.ops.triton_gemv import SUM_BLOCK_SIZE, device_num_sms, sum_splits_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -38,8 +38,6 @@ MIN_SCALE = 1e-12
 QUANT_BLOCK = 1024
 # Rows of x `fp8_gemv` multiplies: the smallest tile `tl.dot` takes.
 GEMV_MAX_TOKENS = 16
-# SM count assumed off CUDA (the interpreter): an H100/H200's.
-DEFAULT_NUM_SMS = 132
 # K per split and the most splits of the GEMV's default config (see default_gemv_config).
 GEMV_K_PER_SPLIT = 1024
 GEMV_MAX_SPLIT = 8
@@ -79,10 +77,7 @@ def gemv_config(n: int, k: int, m: int, scale_block_k: int, device: torch.device
     tuned = TUNED_GEMV_CONFIGS.get((n, k, triton.next_power_of_2(max(m, 1))))
     if tuned is not None and not (scale_block_k and scale_block_k % tuned.block_k):
         return tuned
-    num_sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_NUM_SMS
-    )
-    return default_gemv_config(n, k, scale_block_k, num_sms)
+    return default_gemv_config(n, k, scale_block_k, device_num_sms(device))
 
 
 @dataclass(frozen=True)

@@ -368,11 +368,12 @@ def gemv_config(n: int, k: int, m: int, dtype: torch.dtype, device: torch.device
     tuned = tuned_config(n, k, m, dtype)
     if tuned is not None:
         return tuned
-    return default_config(n, k, torch.finfo(dtype).bits // 8, _num_sms(device))
+    return default_config(n, k, torch.finfo(dtype).bits // 8, device_num_sms(device))
 
 
 @functools.lru_cache
-def _num_sms(device: torch.device) -> int:
+def device_num_sms(device: torch.device) -> int:
+    """The device's SM count (DEFAULT_NUM_SMS off CUDA), looked up once per device."""
     if device.type != "cuda":
         return DEFAULT_NUM_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -385,7 +386,7 @@ def invariant_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -
     tuned = tuned_config(n, k, 1, dtype)
     if tuned is not None:
         return tuned
-    return default_config(n, k, torch.finfo(dtype).bits // 8, _num_sms(device))
+    return default_config(n, k, torch.finfo(dtype).bits // 8, device_num_sms(device))
 
 
 @dataclass(frozen=True)
@@ -503,7 +504,7 @@ def launch_change_points(n: int, k: int, dtype: torch.dtype, device: torch.devic
     a weight [n, k]: the counts a warm-up runs so that every kernel it can take is compiled
     before the first request (the launch follows M, the kernels' other arguments do not)."""
     config = invariant_config(n, k, dtype, device)
-    element_size, num_sms = torch.finfo(dtype).bits // 8, _num_sms(device)
+    element_size, num_sms = torch.finfo(dtype).bits // 8, device_num_sms(device)
     points: list[int] = []
     last: LaunchTiling | None = None
     for m in range(1, max_m + 1):
@@ -542,7 +543,9 @@ def batch_invariant_linear(
     if config is None:
         config = invariant_config(out_features, in_features, x.dtype, x.device)
     if tiling is None:
-        tiling = launch_tiling(x.shape[0], out_features, in_features, config, x.element_size(), _num_sms(x.device))
+        tiling = launch_tiling(
+            x.shape[0], out_features, in_features, config, x.element_size(), device_num_sms(x.device)
+        )
     return _launch(x, weight, bias, config, tiling)
 
 

@@ -25,11 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.model.ops.triton_gemv import SUM_BLOCK_SIZE, sum_splits_kernel
+from pagoda.model.ops.triton_gemv import SUM_BLOCK_SIZE, device_num_sms, sum_splits_kernel
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
-# SM count assumed off CUDA (the interpreter): an H100/H200's.
-DEFAULT_NUM_SMS = 132
 # Programs per SM the default config aims for before it splits K.
 PROGRAMS_PER_SM = 4
 
@@ -111,10 +109,7 @@ def row_gemv_config(
     tuned = TUNED_CONFIGS.get((n, k, weight_dtype))
     if tuned is not None and (not scale_block_k or scale_block_k % tuned.block_k == 0):
         return tuned
-    num_sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_NUM_SMS
-    )
-    return default_config(n, k, torch.empty((), dtype=weight_dtype).element_size(), scale_block_k, num_sms)
+    return default_config(n, k, weight_dtype.itemsize, scale_block_k, device_num_sms(device))
 
 
 @triton.jit
