@@ -5,7 +5,9 @@ Why: at batch 1 on the CPU a SmolLM2 token took ~30 ms in the model's forward, o
 ~550 us a layer on the 2-core AVX2 machine) the other ~17. Here every layer of a decode step runs
 in C: RMSNorm with the residual add, the GEMVs (the GGUF kernels' `gguf_matmul`, on their own
 team), rotary, the K/V write into the paged cache, attention over the row's blocks, SiLU-and-mul,
-and the final norm. The step's plan (slots, block ids, lengths) is the torch attention backend's
+and the final norm. Attention and SiLU-and-mul split the rows over the same team
+(`gguf_parallel_for`): at 32 rows, done by the caller alone they were ~16% of a decode loop's
+samples while the helper spun another 15% (perf, the 2-core AVX-512 machine). The step's plan (slots, block ids, lengths) is the torch attention backend's
 (`plan_step`), the embedding lookup and LM head stay the model's own.
 
 Why C rather than `torch.compile` (measured on the same machine, 2026-12-07, one SmolLM2 layer
@@ -21,7 +23,8 @@ Numerically it is the eager path's float32 operations (rotary and the residual a
 kernel's would: float32 rounding, not a different result.
 
 It runs a step when every token is a one-token decode row of the only KV-cache group, at most
-`MAX_ROWS` of them, with no connector, cascade, multimodal input or EAGLE hidden-state capture;
+`gguf_kernels.max_kernel_tokens()` of them (past it the eager layers dequantize each layer into one
+GEMM), with no connector, cascade, multimodal input or EAGLE hidden-state capture;
 any other step (a prefill, a bigger batch) runs the eager layers, which stay the reference.
 `decode_step_obstacle` says why a model cannot use it at all (not a plain Llama-style stack of
 GGUF block linears in float32, biases, per-head q/k norms, sliding windows, soft-caps, pipeline
@@ -41,14 +44,10 @@ from pagoda.forward_context import ForwardContext
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.model.layers.quantization import gguf_kernels
-from pagoda.model.layers.quantization.gguf_blocks import MAX_KERNEL_TOKENS, GGUFBlockLinearMethod
+from pagoda.model.layers.quantization.gguf_blocks import GGUFBlockLinearMethod
 from pagoda.model.models.decoder import DecoderAttention, DecoderLayer, DecoderMLP, DecoderModel
 
 logger = logging.getLogger(__name__)
-
-# Decode rows a step up to which it runs here: the GGUF kernels' own limit (past it the eager
-# layers dequantize each layer once for one GEMM).
-MAX_ROWS = MAX_KERNEL_TOKENS
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -57,9 +56,13 @@ _SOURCE = r"""
 #include <string.h>
 
 typedef int (*matmul_fn)(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int threads);
+typedef void (*task_fn)(void* ctx, int item, int member);
+typedef void (*parallel_fn)(task_fn fn, void* ctx, int items, int threads);
 
+/* The GGUF kernels' matmul and their team's parallel loop, the model's shape. */
 typedef struct {
     matmul_fn matmul;
+    parallel_fn parallel_for;
     int hidden, heads, kv_heads, head_dim, intermediate, weight_type, threads, block_size;
     float eps, scale;
 } Model;
@@ -72,11 +75,21 @@ typedef struct {
     int64_t cache_slots;
 } Layer;
 
-/* Rows x width of each, for up to the step's rows; scores: `scores_capacity` floats. */
+/* Rows x width of each, for up to the step's rows; scores: `scores_stride` floats a row. */
 typedef struct {
     float *residual, *normed, *qkv, *attn, *gate_up, *act, *scores;
-    int64_t scores_capacity;
+    int64_t scores_stride;
 } Scratch;
+
+/* What a layer's per-row work reads: the step's plan and the layer. */
+typedef struct {
+    const Model* m;
+    const Layer* layer;
+    const Scratch* s;
+    const int64_t* block_ids;
+    int blocks_per_row;
+    const int32_t* seq_lens;
+} Rows;
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -156,6 +169,25 @@ static void attend(const Model* m, const Layer* layer, const float* q, const int
     }
 }
 
+/* Row t's attention (its K/V already in the cache). */
+static void attention_row(void* ctx, int t, int member) {
+    (void)member;
+    const Rows* r = ctx;
+    const int q_width = r->m->heads * r->m->head_dim, qkv_width = q_width + 2 * r->m->kv_heads * r->m->head_dim;
+    attend(r->m, r->layer, r->s->qkv + (int64_t)t * qkv_width, r->block_ids + (int64_t)t * r->blocks_per_row,
+           r->seq_lens[t], r->s->attn + (int64_t)t * q_width, r->s->scores + t * r->s->scores_stride);
+}
+
+/* Row t's SiLU(gate) * up. */
+static void silu_mul_row(void* ctx, int t, int member) {
+    (void)member;
+    const Rows* r = ctx;
+    const int I = r->m->intermediate;
+    const float* gate = r->s->gate_up + (int64_t)t * 2 * I;
+    float* act = r->s->act + (int64_t)t * I;
+    for (int i = 0; i < I; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * gate[I + i];
+}
+
 /* hidden [M, hidden]: the rows' embeddings in, the final norm's output out. Row t is a decode
    token at positions[t] writing its K/V at slots[t], its request's blocks
    block_ids[t * blocks_per_row ...] holding seq_lens[t] positions (itself included). Returns 0, or
@@ -182,19 +214,14 @@ int cpu_decode_step(const Model* m, const Layer* layers, int num_layers, const f
             memcpy(layer->kv_cache + (layer->cache_slots + slots[t]) * kv_width, qkv + q_width + kv_width,
                    kv_width * sizeof(float));
         }
-        for (int t = 0; t < M; t++)
-            attend(m, layer, s->qkv + (int64_t)t * qkv_width, block_ids + (int64_t)t * blocks_per_row, seq_lens[t],
-                   s->attn + (int64_t)t * q_width, s->scores);
+        Rows rows = {m, layer, s, block_ids, blocks_per_row, seq_lens};
+        m->parallel_for(attention_row, &rows, M, m->threads);
         if (m->matmul(layer->o, s->attn, hidden, M, H, q_width, m->weight_type, m->threads) != 0) return -1;
         for (int t = 0; t < M; t++)
             add_rms_norm(s->residual + (int64_t)t * H, hidden + (int64_t)t * H, layer->post_norm,
                          s->normed + (int64_t)t * H, H, m->eps);
         if (m->matmul(layer->gate_up, s->normed, s->gate_up, M, 2 * I, H, m->weight_type, m->threads) != 0) return -1;
-        for (int t = 0; t < M; t++) {
-            const float* gate = s->gate_up + (int64_t)t * 2 * I;
-            float* act = s->act + (int64_t)t * I;
-            for (int i = 0; i < I; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * gate[I + i];
-        }
+        m->parallel_for(silu_mul_row, &rows, M, m->threads);
         if (m->matmul(layer->down, s->act, hidden, M, H, I, m->weight_type, m->threads) != 0) return -1;
     }
     for (int t = 0; t < M; t++)
@@ -207,6 +234,7 @@ int cpu_decode_step(const Model* m, const Layer* layers, int num_layers, const f
 class _Model(ctypes.Structure):
     _fields_ = [
         ("matmul", ctypes.c_void_p),
+        ("parallel_for", ctypes.c_void_p),
         *((name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")),
         *((name, ctypes.c_int) for name in ("weight_type", "threads", "block_size")),
         ("eps", ctypes.c_float),
@@ -224,7 +252,7 @@ class _Layer(ctypes.Structure):
 class _Scratch(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_void_p) for name in ("residual", "normed", "qkv", "attn", "gate_up", "act", "scores")),
-        ("scores_capacity", ctypes.c_int64),
+        ("scores_stride", ctypes.c_int64),
     ]
 
 
@@ -299,6 +327,7 @@ class CPUDecodeStep:
         method = attention.qkv_proj.quant_method
         self.shape = _Model(
             ctypes.cast(gguf_kernels.load().gguf_matmul, ctypes.c_void_p).value,
+            ctypes.cast(gguf_kernels.load().gguf_parallel_for, ctypes.c_void_p).value,
             self.hidden,
             attention.qkv_proj.num_heads,
             attention.qkv_proj.num_kv_heads,
@@ -330,7 +359,8 @@ class CPUDecodeStep:
             "gate_up": 2 * self.intermediate,
             "act": self.intermediate,
         }
-        self.buffers = {name: torch.empty(MAX_ROWS, width) for name, width in widths.items()}
+        self.max_rows = gguf_kernels.max_kernel_tokens()
+        self.buffers = {name: torch.empty(self.max_rows, width) for name, width in widths.items()}
         self.scores = torch.empty(0)
         self.scratch = _Scratch(**{name: buffer.data_ptr() for name, buffer in self.buffers.items()})
 
@@ -339,7 +369,7 @@ class CPUDecodeStep:
     ) -> torch.Tensor | None:
         """The final norm's output [T, hidden] for a qualifying step, else None (run the layers)."""
         rows = input_ids.shape[0]
-        if rows > MAX_ROWS or context.kv_connector is not None or context.mm_embeddings is not None:
+        if rows > self.max_rows or context.kv_connector is not None or context.mm_embeddings is not None:
             return None
         if self.model.aux_hidden_state_layers:
             return None
@@ -356,9 +386,9 @@ class CPUDecodeStep:
         if not self.caches_fit:
             return None
         group = self.shape.heads // self.shape.kv_heads
-        if group * decode.num_keys > self.scratch.scores_capacity:
-            self.scores = torch.empty(2 * group * decode.num_keys)
-            self.scratch.scores, self.scratch.scores_capacity = self.scores.data_ptr(), self.scores.numel()
+        if group * decode.num_keys > self.scratch.scores_stride:
+            self.scores = torch.empty(self.max_rows, 2 * group * decode.num_keys)
+            self.scratch.scores, self.scratch.scores_stride = self.scores.data_ptr(), self.scores.shape[1]
         hidden = self.model.embed_tokens(input_ids).float().contiguous()
         positions = positions.contiguous().long()
         seq_lens = decode.seq_lens.to(torch.int32)
@@ -406,5 +436,7 @@ def attach(model: nn.Module) -> bool:
         logger.info("CPU decode step off: %s", obstacle or "the GGUF kernels cannot be built here")
         return False
     model.model.fused_decode = CPUDecodeStep(library, model.model)
-    logger.info("CPU decode step on: decode steps of up to %d rows run as one C call", MAX_ROWS)
+    logger.info(
+        "CPU decode step on: decode steps of up to %d rows run as one C call", model.model.fused_decode.max_rows
+    )
     return True

@@ -21,7 +21,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.config import ConfigError
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.linear import MergedColumnParallelLinear
-from pagoda.model.layers.quantization import gguf_blocks, gguf_kernels
+from pagoda.model.layers.quantization import gguf_kernels
 from pagoda.model.layers.quantization.base import building_with
 from pagoda.model.layers.quantization.config import resolve_gguf_weights
 from pagoda.model.layers.quantization.gguf_blocks import GGUFBlockConfig
@@ -44,14 +44,30 @@ def _blocks(rows: int, cols: int, qtype: gguf.GGMLQuantizationType, seed: int = 
     return torch.from_numpy(raw), dequantize(raw, int(qtype)).view(rows, cols)
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def float_isa(request):
+    """The float path's instruction set for one test (AVX-512 only where the CPU has it): with
+    it the integer path's token limit moves too."""
+    if KERNELS is None:
+        pytest.skip(f"no GGUF block kernels: {gguf_kernels.unavailable_reason()}")
+    avx512 = request.param == "avx512"
+    if KERNELS.gguf_use_avx512(int(avx512)) != avx512:
+        pytest.skip("this CPU has no AVX-512")
+    yield request.param
+    KERNELS.gguf_use_avx512(1)
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("num_tokens", [1, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("num_tokens", [1, 3, 4, 5, 9, 33, 230])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_matmul_reads_blocks_as_the_loader_dequantizes_them(qtype, num_tokens: int, threads: int) -> None:
+def test_the_matmul_reads_blocks_as_the_loader_dequantizes_them(
+    float_isa: str, qtype, num_tokens: int, threads: int
+) -> None:
     """Within a float32 GEMV's rounding of the float64 product (no bigger than F.linear's), for
-    token counts around the kernel's four-token groups, on one thread or a team."""
-    blocks, weight = _blocks(96, 320, qtype)
+    token counts on both paths, around the integer path's four-token groups and the float path's
+    tiles and token blocks, rows not a multiple of a tile's, on one thread or a team."""
+    blocks, weight = _blocks(101, 320, qtype)
     x = torch.randn(num_tokens, 320)
     exact = x.double() @ weight.double().T
     ours = gguf_kernels.matmul(KERNELS, blocks, x, int(qtype), threads).double()
@@ -61,7 +77,7 @@ def test_the_matmul_reads_blocks_as_the_loader_dequantizes_them(qtype, num_token
 
 @needs_kernels
 @pytest.mark.parametrize("spin_us", [0, gguf_kernels.DEFAULT_SPIN_US], ids=["sleeping", "spinning"])
-@pytest.mark.parametrize("num_tokens", [1, 5])
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
 def test_a_team_gives_one_thread_s_bits(spin_us: int, num_tokens: int) -> None:
     """The caller and its helpers split rows in chunks: each row sums in one order whoever
     computes it, whether the helpers spin for the next call or sleep (woken by it)."""
@@ -78,14 +94,22 @@ def test_a_team_gives_one_thread_s_bits(spin_us: int, num_tokens: int) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-def test_a_token_s_result_does_not_depend_on_its_batch(qtype) -> None:
-    """Each token's activations are split on their own and its sums run in one order: the same
-    bits alone as in any group of four or in a remainder group."""
-    blocks, _ = _blocks(64, 256, qtype, seed=6)
-    x = torch.randn(7, 256)
+def test_a_token_s_result_does_not_depend_on_its_batch_within_a_path(float_isa: str, qtype) -> None:
+    """On the integer path each token's activations are split on their own and its sums run in
+    one order: the same bits alone as in any group of four or in a remainder group. On the float
+    path a row's FMAs run in one order whatever the tile: the same bits in any batch past the
+    integer path's limit."""
+    blocks, _ = _blocks(66, 256, qtype, seed=6)
+    limit = KERNELS.gguf_int_tokens()
+    x = torch.randn(limit, 256)
     batched = gguf_kernels.matmul(KERNELS, blocks, x, int(qtype), 1)
-    for i in range(7):
+    for i in range(limit):
         assert torch.equal(gguf_kernels.matmul(KERNELS, blocks, x[i : i + 1], int(qtype), 1)[0], batched[i])
+    x = torch.randn(3 * limit + 5, 256)
+    batched = gguf_kernels.matmul(KERNELS, blocks, x, int(qtype), 2)
+    for start, count in [(0, limit + 1), (limit, limit + 2), (2 * limit - 1, limit + 6)]:
+        part = gguf_kernels.matmul(KERNELS, blocks, x[start : start + count], int(qtype), 1)
+        assert torch.equal(part, batched[start : start + count])
 
 
 @needs_kernels
@@ -170,7 +194,7 @@ def test_a_tied_embedding_and_head_share_one_copy_of_blocks(qtype) -> None:
     assert not hasattr(embedding, "weight") and head.gguf_blocks is embedding.gguf_blocks
     ids = torch.tensor([[5, 99], [0, 5]])
     assert torch.equal(embedding(ids), weight[ids])
-    for num_tokens in (2, gguf_blocks.MAX_KERNEL_TOKENS + 3):
+    for num_tokens in (2, gguf_kernels.max_kernel_tokens() + 3):
         x = torch.randn(num_tokens, 64)
         torch.testing.assert_close(head(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
@@ -196,7 +220,7 @@ def test_the_vocabulary_stays_blocks_in_the_types_the_kernels_read(tmp_path) -> 
 
 
 @needs_kernels
-@pytest.mark.parametrize("num_tokens", [1, gguf_blocks.MAX_KERNEL_TOKENS + 7])
+@pytest.mark.parametrize("num_tokens", [1, 9, gguf_kernels.max_kernel_tokens() + 7])
 def test_a_merged_layer_loads_each_part_s_blocks_and_both_paths_agree(num_tokens: int) -> None:
     """gate and up load as separate checkpoint tensors into one layer's rows; a decode-sized
     step runs the kernel, a larger one the dequantized GEMM: both equal F.linear over the parts."""

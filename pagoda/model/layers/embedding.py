@@ -99,7 +99,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.blocks_type is not None:
             logits = blocks_linear(
-                self.gguf_blocks, hidden_states, self.blocks_type, self.blocks_threads, max_kernel_tokens=None
+                self.gguf_blocks, hidden_states, self.blocks_type, self.blocks_threads, any_tokens=True
             )
             return logits.to(self.dtype)
         logits = tensor_model_parallel_all_gather(

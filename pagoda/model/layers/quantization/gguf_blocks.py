@@ -4,8 +4,8 @@ Each linear layer holds `gguf_blocks`, uint8 [N, K / 32 * block bytes]: the file
 rows (18 a block for Q4_0, 20 for Q4_1), so SmolLM2's 66 MB of 4-bit linears stay 66 MB instead
 of 265 MB of float32. The token embedding and the LM head keep theirs too where the file stores
 them as Q4_0, Q4_1 or Q8_0 (SmolLM2's tied Q8_0 embedding: 30 MB instead of 113), see
-`VocabParallelEmbedding`. Up to `MAX_KERNEL_TOKENS` tokens a step, `gguf_kernels.matmul` reads
-the blocks directly; a larger step dequantizes the layer into a float32 scratch
+`VocabParallelEmbedding`. Up to `gguf_kernels.max_kernel_tokens()` tokens a step (8 with AVX2,
+64 with AVX-512), `gguf_kernels.matmul` reads the blocks directly; a larger step dequantizes the layer into a float32 scratch
 (`gguf_kernels.dequantize`, ~0.1-0.3 ms a SmolLM2 layer) and runs one GEMM, where the 4-bit
 read no longer dominates. Both take the weights exactly as the loader dequantizes them (the
 kernel multiplies their integers, see `gguf_kernels`), so only the activations' rounding and the
@@ -39,25 +39,17 @@ from pagoda.model.layers.quantization.base import (
 )
 from pagoda.model.layers.quantization.int4 import GROUP_SIZE
 
-# Tokens a step up to which the kernel beats dequantizing and one float32 GEMM (SmolLM2's
-# shapes on the 2-core AVX2 machine: at 16 tokens the GEMM path already took 1.0 ms against the
-# kernel's 1.4 for 3072 x 576; the kernel dequantizes each block once per four tokens).
-MAX_KERNEL_TOKENS = 8
-
 
 def blocks_linear(
-    blocks: torch.Tensor,
-    x: torch.Tensor,
-    ggml_type: int,
-    threads: int = 1,
-    max_kernel_tokens: int | None = MAX_KERNEL_TOKENS,
+    blocks: torch.Tensor, x: torch.Tensor, ggml_type: int, threads: int = 1, any_tokens: bool = False
 ) -> torch.Tensor:
     """x [..., K] times the weight whose rows are `blocks` transposed: float32 [..., N]; the
-    kernel up to `max_kernel_tokens` rows of x (None: any number), else dequantized and F.linear."""
+    kernel up to `gguf_kernels.max_kernel_tokens()` rows of x (any number with `any_tokens`),
+    else dequantized and F.linear."""
     kernels = gguf_kernels.load()
     assert kernels is not None, "gguf_weights 'blocks' resolved without the kernels"
     flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-    if max_kernel_tokens is None or len(flat) <= max_kernel_tokens:
+    if any_tokens or len(flat) <= gguf_kernels.max_kernel_tokens():
         out = gguf_kernels.matmul(kernels, blocks, flat, ggml_type, threads)
     else:
         out = torch.nn.functional.linear(flat, gguf_kernels.dequantize(kernels, blocks, ggml_type))

@@ -240,6 +240,129 @@ static void matmul_rows(const uint8_t* w, const Split* x, float* y, int M, int N
     }
 }
 
+/* Steps of more than int_tokens() tokens take the float path: a chunk's rows are dequantized once,
+   to the loader's values, into the thread's scratch, and every token's dot products with them run
+   as FMAs, RN rows x TM tokens a tile (accumulators in registers, each weight vector loaded once a
+   tile, each activation vector once a row group). The integer path above re-splits nothing but
+   works each block again for every four tokens, at about four instructions a block-token where
+   this takes one FMA for 16 (AVX-512) or 8 (AVX2) products. A row's result is the same whatever
+   M, the tile or the team: its FMAs run in one order. The integer path stays where it is faster,
+   up to int_tokens() tokens: with AVX-512 (2 threads, SmolLM2's shapes, 960 x 576 to 576 x 1536)
+   it took 31-42 us at one token against 54-88 for the float path, at four 86-241 against 65-193.
+   On AVX2-only CPUs it keeps the 8 tokens measured there against dequantizing into one GEMM (the
+   float path's AVX2 code is not yet measured on such a CPU). */
+
+#define DEFINE_FLOAT_TILES(SUFFIX, TARGET, VEC, WIDTH, LOAD, FMADD, ZERO, REDUCE, RN, TM)                             \
+    __attribute__((target(TARGET))) static inline __attribute__((always_inline)) void tile_##SUFFIX(                 \
+        const float* w, const float* x, float* y, int N, int K, int n, int m0, const int rn, const int tm) {          \
+        VEC acc[RN][TM];                                                                                              \
+        for (int r = 0; r < rn; r++)                                                                                  \
+            for (int t = 0; t < tm; t++) acc[r][t] = ZERO();                                                          \
+        for (int k = 0; k < K; k += WIDTH) {                                                                          \
+            VEC wv[RN];                                                                                               \
+            for (int r = 0; r < rn; r++) wv[r] = LOAD(w + (int64_t)r * K + k);                                        \
+            for (int t = 0; t < tm; t++) {                                                                            \
+                const VEC xv = LOAD(x + (int64_t)(m0 + t) * K + k);                                                   \
+                for (int r = 0; r < rn; r++) acc[r][t] = FMADD(wv[r], xv, acc[r][t]);                                 \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (int r = 0; r < rn; r++)                                                                                  \
+            for (int t = 0; t < tm; t++) y[(int64_t)(m0 + t) * N + n + r] = REDUCE(acc[r][t]);                        \
+    }                                                                                                                 \
+    /* y[m_begin .. M, n0 .. n0 + rows) = x w^T, w the rows' dequantized floats [rows, K]. */                        \
+    __attribute__((target(TARGET))) static void float_tiles_##SUFFIX(const float* w, const float* x, float* y,        \
+                                                                     int m_begin, int M, int N, int K, int n0,        \
+                                                                     int rows) {                                      \
+        for (int r0 = 0; r0 < rows; r0 += RN) {                                                                       \
+            const float* wr = w + (int64_t)r0 * K;                                                                    \
+            const int n = n0 + r0;                                                                                    \
+            if (rows - r0 >= RN) {                                                                                    \
+                int m0 = m_begin;                                                                                     \
+                for (; m0 + TM <= M; m0 += TM) tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, TM);                          \
+                switch (M - m0) { /* the last tokens in one narrower tile */                                           \
+                    case 0: break;                                                                                    \
+                    case 1: tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, 1); break;                                       \
+                    case 2: tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, TM > 2 ? 2 : 1); break;                          \
+                    case 3: tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, TM > 3 ? 3 : 1); break;                          \
+                    case 4: tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, TM > 4 ? 4 : 1); break;                          \
+                    default: tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, TM > 5 ? 5 : 1); break;                         \
+                }                                                                                                     \
+            } else {                                                                                                  \
+                for (int r = r0; r < rows; r++)                                                                       \
+                    for (int m0 = m_begin; m0 < M; m0++)                                                              \
+                        tile_##SUFFIX(w + (int64_t)r * K, x, y, N, K, n0 + r, m0, 1, 1);                              \
+            }                                                                                                         \
+        }                                                                                                             \
+    }
+
+static inline float reduce256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 4 x 6 tiles: 24 accumulators and 4 weight vectors of AVX-512's 32 registers. */
+DEFINE_FLOAT_TILES(avx512, "avx512f", __m512, 16, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_setzero_ps,
+                   _mm512_reduce_add_ps, 4, 6)
+/* 2 x 4 tiles: 8 accumulators and 2 weight vectors of AVX2's 16. */
+DEFINE_FLOAT_TILES(avx2, "avx2,fma", __m256, 8, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_setzero_ps, reduce256, 2, 4)
+
+static int avx512_supported, has_avx512;
+#define TOKEN_BLOCK_BYTES (256 * 1024)
+
+__attribute__((constructor)) static void detect_isa(void) {
+    __builtin_cpu_init();
+    avx512_supported = has_avx512 = __builtin_cpu_supports("avx512f");
+}
+
+/* The float path's instruction set: AVX-512 where `on` and the CPU has it, else AVX2 (tests
+   take both). Returns 1 for AVX-512. */
+int gguf_use_avx512(int on) { return has_avx512 = on && avx512_supported; }
+
+/* Tokens a step up to which a matmul takes the integer path (see the float path's comment above). */
+int gguf_int_tokens(void) { return has_avx512 ? 3 : 8; }
+static inline int int_tokens(void) { return gguf_int_tokens(); }
+
+/* Tokens a step up to which gguf_matmul beats dequantizing W into one float32 GEMM (MKL's): with
+   AVX-512 its float path kept up to about 64 tokens on SmolLM2's shapes (2 threads: 395 / 1,145 /
+   641 us at 64 against 382 / 1,291 / 601 for 960 x 576 / 3072 x 576 / 576 x 1536) and fell behind
+   past them (at 512: 2.7-9.2 ms against 1.9-6.1); on AVX2-only CPUs the integer path's 8. */
+int gguf_max_tokens(void) { return has_avx512 ? 64 : int_tokens(); }
+
+/* The calling thread's scratch of at least `floats` floats, kept for its next calls (NULL where
+   it could not be allocated). */
+static float* rows_scratch(int64_t floats) {
+    static __thread float* scratch;
+    static __thread int64_t capacity;
+    if (floats > capacity) {
+        free(scratch);
+        scratch = malloc(floats * sizeof(float));
+        capacity = scratch != NULL ? floats : 0;
+    }
+    return scratch;
+}
+
+/* Rows [n0, n1) of y[M, N] = x[M, K] W^T through `scratch` (at least (n1 - n0) K floats). */
+static void float_rows(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int n0, int n1,
+                       float* scratch) {
+    const int G = K / 32, block_bytes = block_bytes_of(type);
+    for (int n = n0; n < n1; n++)
+        for (int g = 0; g < G; g++) {
+            __m256 wv[4];
+            dequantize_block(w + ((int64_t)n * G + g) * block_bytes, type, wv);
+            for (int p = 0; p < 4; p++) _mm256_storeu_ps(scratch + (int64_t)(n - n0) * K + g * 32 + 8 * p, wv[p]);
+        }
+    /* Tokens in blocks whose activations stay in the L2 cache beside the rows' floats. */
+    const int token_block = (int)(TOKEN_BLOCK_BYTES / ((int64_t)K * sizeof(float))) / 6 * 6 + 6;
+    for (int m0 = 0; m0 < M; m0 += token_block) {
+        const int m1 = m0 + token_block < M ? m0 + token_block : M;
+        if (has_avx512)
+            float_tiles_avx512(scratch, x, y, m0, m1, N, K, n0, n1 - n0);
+        else
+            float_tiles_avx2(scratch, x, y, m0, m1, N, K, n0, n1 - n0);
+    }
+}
+
 /* The calling thread's split of its activations, grown as needed and kept for its next calls. */
 static const Split* split_for(const float* x, int M, int K) {
     static __thread Split split;
@@ -256,14 +379,15 @@ static const Split* split_for(const float* x, int M, int K) {
     return &split;
 }
 
-/* The matmul's team: the calling thread and up to `threads - 1` helper threads of our own (not
-   OpenMP's) share a job's rows in chunks, claimed one at a time. The caller never waits for a
-   helper to wake: it starts on the chunks at once and waits only for chunks a helper has claimed,
-   so a sleeping or descheduled helper (a loaded machine) costs nothing but its share of the
-   speed-up. After a job a helper spins for `spin_ns` (the gaps between a decode step's layers)
-   before it sleeps on a futex; the caller wakes sleepers, without waiting, when it publishes a
-   job. OpenMP's team would instead wake its sleeping threads and wait for them at every region
-   (~100 us each with OMP_WAIT_POLICY=PASSIVE: more than a decode step's layer takes). */
+/* The kernels' team: the calling thread and up to `threads - 1` helper threads of our own (not
+   OpenMP's) share a job's items (a matmul's chunks of rows, a decode step's rows), claimed one at a
+   time. The caller never waits for a helper to wake: it starts on the items at once and waits only
+   for items a helper has claimed, so a sleeping or descheduled helper (a loaded machine) costs
+   nothing but its share of the speed-up. After a job a helper spins for `spin_ns` (the gaps
+   between a decode step's layers) before it sleeps on a futex; the caller wakes sleepers, without
+   waiting, when it publishes a job. OpenMP's team would instead wake its sleeping threads and wait
+   for them at every region (~100 us each with OMP_WAIT_POLICY=PASSIVE: more than a decode step's
+   layer takes). */
 #define MAX_HELPERS 15
 /* A chunk is about CHUNK_BYTES of weights (at least 16 rows): one stream long enough for the
    prefetchers, and still a few chunks a thread in a decode step's smallest GEMVs. Measured on the
@@ -272,16 +396,17 @@ static const Split* split_for(const float* x, int M, int K) {
 #define CHUNK_BYTES 65536
 #define MIN_CHUNK_ROWS 16
 
+/* fn(ctx, item, member) does one item; member 0 is the calling thread, 1.. the helpers. */
+typedef void (*task_fn)(void* ctx, int item, int member);
+
 static struct {
-    const uint8_t* w;
-    const Split* x;
-    float* y;
-    int M, N, K, type, chunk_rows;
+    task_fn fn;
+    void* ctx;
 } job;
-/* generation (bits 32-63), chunks (16-31), next chunk to claim (0-15): one word, so a claim of
-   a stale generation's chunk fails. */
+/* generation (bits 32-63), items (16-31), next item to claim (0-15): one word, so a claim of a
+   stale generation's item fails. */
 static _Atomic uint64_t claim_word;
-static _Atomic int chunks_done;
+static _Atomic int items_done;
 static _Atomic uint32_t published;  /* the latest generation: the futex word helpers sleep on */
 static _Atomic int sleepers;
 static uint32_t generation;
@@ -289,24 +414,26 @@ static int helpers_started;
 static long spin_ns;
 static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* The next chunk of generation `gen`, or -1 once none is left (or a newer job is out). */
-static int claim_chunk(uint32_t gen) {
+/* The next item of generation `gen`, or -1 once none is left (or a newer job is out). */
+static int claim_item(uint32_t gen) {
     uint64_t word = atomic_load_explicit(&claim_word, memory_order_acquire);
     for (;;) {
-        const uint32_t next = word & 0xFFFF, chunks = (word >> 16) & 0xFFFF;
-        if ((uint32_t)(word >> 32) != gen || next >= chunks) return -1;
+        const uint32_t next = word & 0xFFFF, items = (word >> 16) & 0xFFFF;
+        if ((uint32_t)(word >> 32) != gen || next >= items) return -1;
         if (atomic_compare_exchange_weak_explicit(&claim_word, &word, word + 1, memory_order_acq_rel,
                                                   memory_order_acquire))
             return (int)next;
     }
 }
 
-static void run_chunks(uint32_t gen) {
-    int chunk;
-    while ((chunk = claim_chunk(gen)) >= 0) {
-        const int n0 = chunk * job.chunk_rows, n1 = n0 + job.chunk_rows < job.N ? n0 + job.chunk_rows : job.N;
-        matmul_rows(job.w, job.x, job.y, job.M, job.N, job.K, job.type, n0, n1);
-        atomic_fetch_add_explicit(&chunks_done, 1, memory_order_release);
+/* Items of generation `gen` until none is left. The job is read after a claim: a claim that
+   succeeds proves it the generation's own (a caller publishes its next job only after every item
+   of this one is done). */
+static void run_items(uint32_t gen, int member) {
+    int item;
+    while ((item = claim_item(gen)) >= 0) {
+        job.fn(job.ctx, item, member);
+        atomic_fetch_add_explicit(&items_done, 1, memory_order_release);
     }
 }
 
@@ -335,12 +462,11 @@ static uint32_t wait_for_job(uint32_t seen) {
     }
 }
 
-static void* helper_main(void* unused) {
-    (void)unused;
+static void* helper_main(void* member) {
     uint32_t seen = atomic_load(&published);
     for (;;) {
         seen = wait_for_job(seen);
-        run_chunks(seen);
+        run_items(seen, (int)(intptr_t)member);
     }
     return NULL;
 }
@@ -357,40 +483,112 @@ static void start_helpers(int count) {
     if (!atfork_registered) atfork_registered = pthread_atfork(NULL, NULL, forget_helpers) == 0;
     for (; helpers_started < count; helpers_started++) {
         pthread_t thread;
-        if (pthread_create(&thread, NULL, helper_main, NULL) != 0) return;
+        if (pthread_create(&thread, NULL, helper_main, (void*)(intptr_t)(helpers_started + 1)) != 0) return;
         pthread_detach(thread);
     }
+}
+
+/* The team for a job of `items` items on `threads` threads: its helpers, counted (the job lock
+   held), or 0 where the caller is to run the items alone (one thread, one item, or the team busy
+   with another thread's job). */
+static int team_acquire(int items, int threads) {
+    if (threads <= 1 || items < 2 || pthread_mutex_trylock(&job_lock) != 0) return 0;
+    start_helpers(threads - 1 < MAX_HELPERS ? threads - 1 : MAX_HELPERS);
+    if (helpers_started == 0) pthread_mutex_unlock(&job_lock);
+    return helpers_started;
+}
+
+/* Runs an acquired team's job to its end, then lets go of the team. */
+static void team_run(task_fn fn, void* ctx, int items) {
+    job.fn = fn, job.ctx = ctx;
+    atomic_store_explicit(&items_done, 0, memory_order_relaxed);
+    const uint32_t gen = ++generation;
+    atomic_store_explicit(&claim_word, ((uint64_t)gen << 32) | ((uint64_t)items << 16), memory_order_release);
+    atomic_store(&published, gen);
+    if (atomic_load(&sleepers) > 0) syscall(SYS_futex, &published, FUTEX_WAKE_PRIVATE, MAX_HELPERS, NULL, NULL, 0);
+    run_items(gen, 0);
+    for (int i = 1; atomic_load_explicit(&items_done, memory_order_acquire) < items; i++) {
+        if (i % 1024 == 0) sched_yield(); else _mm_pause();
+    }
+    pthread_mutex_unlock(&job_lock);
+}
+
+/* fn(ctx, item, member) for every item in [0, items) (at most 65535), on the caller and up to
+   `threads - 1` helpers; returns when all are done. */
+void gguf_parallel_for(task_fn fn, void* ctx, int items, int threads) {
+    if (team_acquire(items, threads) > 0) {
+        team_run(fn, ctx, items);
+        return;
+    }
+    for (int item = 0; item < items; item++) fn(ctx, item, 0);
 }
 
 /* How long helpers spin after a job before they sleep (0: sleep at once). */
 void gguf_set_spin_us(int spin_us) { spin_ns = (long)spin_us * 1000; }
 
+/* A matmul's job: the integer path's split activations (else NULL: the float path, with each
+   member's scratch of chunk_rows x K floats). */
+typedef struct {
+    const uint8_t* w;
+    const Split* x;
+    const float* xf;
+    float* y;
+    int M, N, K, type, chunk_rows;
+    float* scratch[MAX_HELPERS + 1];
+} Matmul;
+
+static void matmul_chunk(void* ctx, int chunk, int member) {
+    const Matmul* mm = ctx;
+    const int n0 = chunk * mm->chunk_rows, n1 = n0 + mm->chunk_rows < mm->N ? n0 + mm->chunk_rows : mm->N;
+    if (mm->x != NULL)
+        matmul_rows(mm->w, mm->x, mm->y, mm->M, mm->N, mm->K, mm->type, n0, n1);
+    else
+        float_rows(mm->w, mm->xf, mm->y, mm->M, mm->N, mm->K, mm->type, n0, n1, mm->scratch[member]);
+}
+
+/* The helpers' float-path scratch, grown by the team's caller between jobs (no helper reads it
+   then). */
+static float* helper_scratch[MAX_HELPERS];
+static int64_t helper_scratch_floats;
+static int helper_scratch_count;
+
+static int grow_helper_scratch(int helpers, int64_t floats) {
+    if (floats <= helper_scratch_floats && helpers <= helper_scratch_count) return 0;
+    helper_scratch_floats = 0, helper_scratch_count = 0;
+    for (int i = 0; i < MAX_HELPERS; i++) {
+        free(helper_scratch[i]);
+        helper_scratch[i] = i < helpers ? malloc(floats * sizeof(float)) : NULL;
+        if (i < helpers && helper_scratch[i] == NULL) return -1;
+    }
+    helper_scratch_floats = floats, helper_scratch_count = helpers;
+    return 0;
+}
+
 /* y[M, N] = x[M, K] W^T, W's rows as GGUF blocks of `type`, on the caller and up to `threads - 1`
-   helpers. A caller that finds the team busy (another thread's matmul) works alone. Returns 0, or
-   -1 where the activations' split could not be allocated (y untouched). */
+   helpers: the integer path up to int_tokens() tokens, the float path past them. Returns 0, or -1
+   where the activations' split or a scratch could not be allocated (y untouched). */
 int gguf_matmul(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int threads) {
-    const Split* split = split_for(x, M, K);
-    if (split == NULL) return -1;
+    Matmul mm = {.w = w, .xf = x, .y = y, .M = M, .N = N, .K = K, .type = type};
+    if (M <= int_tokens() && (mm.x = split_for(x, M, K)) == NULL) return -1;
     int chunk_rows = CHUNK_BYTES / ((K / 32) * block_bytes_of(type));
     if (chunk_rows < MIN_CHUNK_ROWS) chunk_rows = MIN_CHUNK_ROWS;
-    if (chunk_rows < (N + 65534) / 65535) chunk_rows = (N + 65534) / 65535;  /* chunks fit the claim word's 16 bits */
+    if (chunk_rows < (N + 65534) / 65535) chunk_rows = (N + 65534) / 65535;  /* items fit the claim word's 16 bits */
+    if (chunk_rows > N) chunk_rows = N;
+    mm.chunk_rows = chunk_rows;
     const int chunks = (N + chunk_rows - 1) / chunk_rows;
-    if (threads <= 1 || chunks < 2 || pthread_mutex_trylock(&job_lock) != 0) {
-        matmul_rows(w, split, y, M, N, K, type, 0, N);
+    const int64_t scratch_floats = mm.x == NULL ? (int64_t)chunk_rows * K : 0;
+    if (scratch_floats > 0 && (mm.scratch[0] = rows_scratch(scratch_floats)) == NULL) return -1;
+    const int helpers = team_acquire(chunks, threads);
+    if (helpers == 0) {
+        for (int chunk = 0; chunk < chunks; chunk++) matmul_chunk(&mm, chunk, 0);
         return 0;
     }
-    start_helpers(threads - 1 < MAX_HELPERS ? threads - 1 : MAX_HELPERS);
-    job.w = w, job.x = split, job.y = y, job.M = M, job.N = N, job.K = K, job.type = type, job.chunk_rows = chunk_rows;
-    atomic_store_explicit(&chunks_done, 0, memory_order_relaxed);
-    const uint32_t gen = ++generation;
-    atomic_store_explicit(&claim_word, ((uint64_t)gen << 32) | ((uint64_t)chunks << 16), memory_order_release);
-    atomic_store(&published, gen);
-    if (atomic_load(&sleepers) > 0) syscall(SYS_futex, &published, FUTEX_WAKE_PRIVATE, MAX_HELPERS, NULL, NULL, 0);
-    run_chunks(gen);
-    for (int i = 1; atomic_load_explicit(&chunks_done, memory_order_acquire) < chunks; i++) {
-        if (i % 1024 == 0) sched_yield(); else _mm_pause();
+    if (grow_helper_scratch(helpers, scratch_floats) != 0) {
+        pthread_mutex_unlock(&job_lock);
+        return -1;
     }
-    pthread_mutex_unlock(&job_lock);
+    for (int i = 0; i < helpers; i++) mm.scratch[i + 1] = helper_scratch[i];
+    team_run(matmul_chunk, &mm, chunks);
     return 0;
 }
 
@@ -463,6 +661,12 @@ def _build_and_load() -> ctypes.CDLL | None:
     kernels.gguf_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
     kernels.gguf_set_spin_us.restype = None
     kernels.gguf_set_spin_us.argtypes = [ctypes.c_int]
+    kernels.gguf_use_avx512.restype = ctypes.c_int
+    kernels.gguf_use_avx512.argtypes = [ctypes.c_int]
+    kernels.gguf_max_tokens.restype = ctypes.c_int
+    kernels.gguf_max_tokens.argtypes = []
+    kernels.gguf_int_tokens.restype = ctypes.c_int
+    kernels.gguf_int_tokens.argtypes = []
     kernels.gguf_dequantize.restype = None
     kernels.gguf_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
     kernels.gguf_set_spin_us(spin_us())
@@ -522,6 +726,13 @@ def matmul(
     if kernels.gguf_matmul(blocks.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, ggml_type, threads) != 0:
         raise MemoryError(f"the GGUF matmul could not allocate the split of {m} x {k} activations")
     return y
+
+
+def max_kernel_tokens() -> int:
+    """Tokens a step up to which `matmul` beats dequantizing into one F.linear on this CPU (0
+    where the kernels cannot run)."""
+    kernels = load()
+    return 0 if kernels is None else kernels.gguf_max_tokens()
 
 
 def dequantize(kernels: ctypes.CDLL, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
