@@ -130,21 +130,68 @@ static void rotate(float* x, int heads, int head_dim, const float* cos, const fl
     }
 }
 
+/* The eight sums of a[0..7]'s lanes, in order. */
+static inline __m256 sums8(const __m256 a[8]) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    /* s0123's low half holds keys 0-3 of lanes 0-3, its high half the same keys' lanes 4-7. */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* The cache slot of a row's position j. */
+static inline int64_t slot_of(const Model* m, const int64_t* block_ids, int j) {
+    return block_ids[j / m->block_size] * m->block_size + j % m->block_size;
+}
+
+/* scores[j] = q . k_j * scale for j < seq_len, k_j the cached key of position j (D floats at
+   `keys` + slot * stride). Eight keys at a time share one reduction. */
+static void key_scores(const Model* m, const float* q, const float* keys, int64_t stride, const int64_t* block_ids,
+                       int seq_len, float* scores) {
+    const int D = m->head_dim;
+    int j = 0;
+    for (; j + 8 <= seq_len; j += 8) {
+        const float* k[8];
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++) k[i] = keys + slot_of(m, block_ids, j + i) * stride, acc[i] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + d);
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), acc[i]);
+        }
+        _mm256_storeu_ps(scores + j, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(m->scale)));
+    }
+    for (; j < seq_len; j++) scores[j] = dot(q, keys + slot_of(m, block_ids, j) * stride, D) * m->scale;
+}
+
+/* out[0..width) = sum_j p[j] v_j[0..width), width <= 64 and a multiple of 8, v_j at `values` +
+   slot * stride: the sums stay in registers over the keys. */
+static void weighted_values(const Model* m, const float* p, const float* values, int64_t stride,
+                            const int64_t* block_ids, int seq_len, int width, float* out) {
+    __m256 acc[8];
+    const int lanes = width / 8;
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int j = 0; j < seq_len; j++) {
+        const float* v = values + slot_of(m, block_ids, j) * stride;
+        const __m256 weight = _mm256_set1_ps(p[j]);
+        if (lanes == 8)
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * i), acc[i]);
+        else
+            for (int i = 0; i < lanes; i++) acc[i] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * i), acc[i]);
+    }
+    for (int i = 0; i < lanes; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
+}
+
 /* One query token's attention over its first seq_len cached positions: q [heads, D] -> out
-   [heads, D]. Each KV head's keys are read once for its group of query heads. */
+   [heads, D]; scores: heads / kv_heads x seq_len floats. */
 static void attend(const Model* m, const Layer* layer, const float* q, const int64_t* block_ids, int seq_len,
                    float* out, float* scores) {
     const int D = m->head_dim, group = m->heads / m->kv_heads, kv_width = m->kv_heads * D;
     const float* keys = layer->kv_cache;
     const float* values = layer->kv_cache + layer->cache_slots * kv_width;
     for (int g = 0; g < m->kv_heads; g++) {
-        for (int j = 0; j < seq_len; j++) {
-            const int64_t slot = block_ids[j / m->block_size] * m->block_size + j % m->block_size;
-            const float* k = keys + slot * kv_width + g * D;
-            for (int h = 0; h < group; h++) scores[(int64_t)h * seq_len + j] = dot(q + (g * group + h) * D, k, D) * m->scale;
-        }
         for (int h = 0; h < group; h++) {
             float* s = scores + (int64_t)h * seq_len;
+            key_scores(m, q + (g * group + h) * D, keys + g * D, kv_width, block_ids, seq_len, s);
             float max = s[0];
             for (int j = 1; j < seq_len; j++) max = s[j] > max ? s[j] : max;
             float total = 0.0f;
@@ -154,17 +201,9 @@ static void attend(const Model* m, const Layer* layer, const float* q, const int
             }
             const float inverse = 1.0f / total;
             for (int j = 0; j < seq_len; j++) s[j] *= inverse;
-        }
-        for (int h = 0; h < group; h++) memset(out + (g * group + h) * D, 0, D * sizeof(float));
-        for (int j = 0; j < seq_len; j++) {
-            const int64_t slot = block_ids[j / m->block_size] * m->block_size + j % m->block_size;
-            const float* v = values + slot * kv_width + g * D;
-            for (int h = 0; h < group; h++) {
-                float* o = out + (g * group + h) * D;
-                const __m256 p = _mm256_set1_ps(scores[(int64_t)h * seq_len + j]);
-                for (int d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
-            }
+            for (int d = 0; d < D; d += 64)
+                weighted_values(m, s, values + g * D + d, kv_width, block_ids, seq_len, D - d < 64 ? D - d : 64,
+                                out + (g * group + h) * D + d);
         }
     }
 }

@@ -132,6 +132,23 @@ def test_activations_of_every_scale_keep_float32_accuracy(qtype) -> None:
         assert (ours[row] - exact[row]).abs().max() <= bound, row
 
 
+@needs_kernels
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_the_integer_path_gives_the_same_bits_with_or_without_vnni(qtype) -> None:
+    """Its int16 pair sums are exact whether VNNI's dot products or multiply-adds take them (the
+    AVX-512 setting picks VNNI where the CPU has it), so a token's bits do not change."""
+    if not KERNELS.gguf_use_avx512(1):
+        pytest.skip("this CPU has no AVX-512")
+    blocks, _ = _blocks(200, 256, qtype, seed=9)
+    x = torch.randn(1, 256)
+    try:
+        fast = gguf_kernels.matmul(KERNELS, blocks, x, int(qtype), 2)
+        KERNELS.gguf_use_avx512(0)
+        assert torch.equal(gguf_kernels.matmul(KERNELS, blocks, x, int(qtype), 2), fast)
+    finally:
+        KERNELS.gguf_use_avx512(1)
+
+
 def test_helpers_spin_only_where_openmp_threads_sleep(monkeypatch) -> None:
     monkeypatch.delenv("PAGODA_KERNEL_SPIN_US", raising=False)
     monkeypatch.setattr(pagoda, "OPENMP_THREADS_SLEEP", True)

@@ -38,6 +38,7 @@ import logging
 import os
 import platform
 import shutil
+import string
 import subprocess
 import sys
 import tempfile
@@ -56,7 +57,7 @@ Q4_0, Q4_1, Q8_0 = 2, 3, 8
 # (Q4) or 32 int8 (Q8_0).
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 
-_SOURCE = r"""
+_SOURCE_HEAD = r"""
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <linux/futex.h>
@@ -173,14 +174,26 @@ static inline __attribute__((always_inline)) void block_integers(const uint8_t* 
     *m = type == 3 ? _mm_movehdup_ps(scales) : _mm_mul_ss(scales, _mm_set_ss(-8.0f));
 }
 
+
+/* q0 . a + q1 . b over pairs of int16 lanes into 8 int32 lanes (exact either way): two multiply-adds
+   and an add, or two AVX-512 VNNI dot products (vpdpwssd), 5-12% faster on SmolLM2's one-token
+   GEMVs (2 threads) for the same bits. */
+#define PAIR_DOT_MADD(q0, a, q1, b) _mm256_add_epi32(_mm256_madd_epi16(q0, a), _mm256_madd_epi16(q1, b))
+#define PAIR_DOT_VNNI(q0, a, q1, b) _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), q0, a), q1, b)
+"""
+
+# The integer path's kernels, compiled once per PAIR_DOT: $suffix names them, $target is their
+# target attribute, $pair_dot the macro they sum with.
+_INT_PATH = string.Template(
+    r"""
 /* y[m0 .. m0 + T) x rows [n0, n1) of y = x W^T. Per block, q . h and q . l are integer
    multiply-adds (vpmaddwd; |sums| < 2^24, so exact in int32 and in float32), joined as
    q . h + (q . l) / 65536, times scale, then d, into eight float32 lanes (d * scale first would
    fall into float32's subnormals for tiny activations); the offsets' term
    m * sum(x) adds up apart. One row's order of operations whatever T, the team or the batch:
    a token's result never depends on the others'. T and `type` are constants where inlined. */
-static inline __attribute__((always_inline)) void matmul_tile(const uint8_t* w, const Split* x, float* y, int N, int K,
-                                                              const int type, int n0, int n1, int m0, const int T) {
+$target static inline __attribute__((always_inline)) void matmul_tile_$suffix(
+    const uint8_t* w, const Split* x, float* y, int N, int K, const int type, int n0, int n1, int m0, const int T) {
     const int G = K / 32, block_bytes = block_bytes_of(type);
     const __m256 low_weight = _mm256_set1_ps(1.0f / 65536.0f);
     for (int n = n0; n < n1; n++) {
@@ -202,10 +215,8 @@ static inline __attribute__((always_inline)) void matmul_tile(const uint8_t* w, 
                 const int64_t b = (int64_t)(m0 + t) * G + g;
                 const __m256i* high = (const __m256i*)(x->high + b * 32);
                 const __m256i* low = (const __m256i*)(x->low + b * 32);
-                const __m256i qh = _mm256_add_epi32(_mm256_madd_epi16(q[0], _mm256_loadu_si256(high)),
-                                                    _mm256_madd_epi16(q[1], _mm256_loadu_si256(high + 1)));
-                const __m256i ql = _mm256_add_epi32(_mm256_madd_epi16(q[0], _mm256_loadu_si256(low)),
-                                                    _mm256_madd_epi16(q[1], _mm256_loadu_si256(low + 1)));
+                const __m256i qh = $pair_dot(q[0], _mm256_loadu_si256(high), q[1], _mm256_loadu_si256(high + 1));
+                const __m256i ql = $pair_dot(q[0], _mm256_loadu_si256(low), q[1], _mm256_loadu_si256(low + 1));
                 const __m256 sums = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ql), low_weight, _mm256_cvtepi32_ps(qh));
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(sums, _mm256_set1_ps(x->scale[b])), dv, acc[t]);
                 if (type != 8) offsets[t] = _mm_fmadd_ss(m, _mm_load_ss(x->sum + b), offsets[t]);
@@ -219,40 +230,49 @@ static inline __attribute__((always_inline)) void matmul_tile(const uint8_t* w, 
     }
 }
 
-static inline __attribute__((always_inline)) void matmul_rows_of(const uint8_t* w, const Split* x, float* y, int M,
-                                                                 int N, int K, const int type, int n0, int n1) {
+$target static inline __attribute__((always_inline)) void matmul_rows_of_$suffix(
+    const uint8_t* w, const Split* x, float* y, int M, int N, int K, const int type, int n0, int n1) {
     for (int m0 = 0; m0 < M; m0 += 4) {
         switch (M - m0) {
-            case 1: matmul_tile(w, x, y, N, K, type, n0, n1, m0, 1); break;
-            case 2: matmul_tile(w, x, y, N, K, type, n0, n1, m0, 2); break;
-            case 3: matmul_tile(w, x, y, N, K, type, n0, n1, m0, 3); break;
-            default: matmul_tile(w, x, y, N, K, type, n0, n1, m0, 4); break;
+            case 1: matmul_tile_$suffix(w, x, y, N, K, type, n0, n1, m0, 1); break;
+            case 2: matmul_tile_$suffix(w, x, y, N, K, type, n0, n1, m0, 2); break;
+            case 3: matmul_tile_$suffix(w, x, y, N, K, type, n0, n1, m0, 3); break;
+            default: matmul_tile_$suffix(w, x, y, N, K, type, n0, n1, m0, 4); break;
         }
     }
 }
 
 /* Rows [n0, n1) of y[M, N] = x[M, K] W^T, W's rows as GGUF blocks of `type`, x split. */
-static void matmul_rows(const uint8_t* w, const Split* x, float* y, int M, int N, int K, int type, int n0, int n1) {
+$target static void matmul_rows_$suffix(const uint8_t* w, const Split* x, float* y, int M, int N, int K, int type,
+                                        int n0, int n1) {
     switch (type) {
-        case 2: matmul_rows_of(w, x, y, M, N, K, 2, n0, n1); break;
-        case 3: matmul_rows_of(w, x, y, M, N, K, 3, n0, n1); break;
-        default: matmul_rows_of(w, x, y, M, N, K, 8, n0, n1); break;
+        case 2: matmul_rows_of_$suffix(w, x, y, M, N, K, 2, n0, n1); break;
+        case 3: matmul_rows_of_$suffix(w, x, y, M, N, K, 3, n0, n1); break;
+        default: matmul_rows_of_$suffix(w, x, y, M, N, K, 8, n0, n1); break;
     }
 }
 
+"""
+)
+
+_SOURCE_TAIL = r"""
 /* Steps of more than int_tokens() tokens take the float path: a chunk's rows are dequantized once,
    to the loader's values, into the thread's scratch, and every token's dot products with them run
    as FMAs, RN rows x TM tokens a tile (accumulators in registers, each weight vector loaded once a
    tile, each activation vector once a row group). The integer path above re-splits nothing but
    works each block again for every four tokens, at about four instructions a block-token where
-   this takes one FMA for 16 (AVX-512) or 8 (AVX2) products. A row's result is the same whatever
-   M, the tile or the team: its FMAs run in one order. The integer path stays where it is faster,
-   up to int_tokens() tokens: with AVX-512 (2 threads, SmolLM2's shapes, 960 x 576 to 576 x 1536)
-   it took 31-42 us at one token against 54-88 for the float path, at four 86-241 against 65-193.
-   On AVX2-only CPUs it keeps the 8 tokens measured there against dequantizing into one GEMM (the
-   float path's AVX2 code is not yet measured on such a CPU). */
+   this takes one FMA for 16 (AVX-512) or 8 (AVX2) products. With AVX-512, up to REGISTER_TOKENS
+   tokens dequantize each block in registers instead (no scratch), with the same operations in
+   the same order: every token's result is the same bits on either, whatever M, the tile or the
+   team. Measured with AVX-512 (2 threads, helpers spinning; SmolLM2's 960 x 576, 576 x 576,
+   3072 x 576 and 576 x 1536 Q4_1 layers, us): one token, integer path 30 / 21 / 77 / 42 against
+   41 / 28 / 115 / 59 in registers; three tokens 64 / 46 / 176 / 97 against 51 / 36 / 145 / 75;
+   six tokens in registers 104 / 70 / 298 / 146 against 89 / 61 / 256 / 143 through the scratch.
+   On AVX2-only CPUs the integer path keeps the 8 tokens measured there against dequantizing into
+   one GEMM (the float path's AVX2 code is not yet measured on such a CPU). */
 
-#define DEFINE_FLOAT_TILES(SUFFIX, TARGET, VEC, WIDTH, LOAD, FMADD, ZERO, REDUCE, RN, TM)                             \
+/* A tile of rn rows x tm tokens (constants where inlined): y[m0 + t, n + r] = w_r . x_{m0 + t}. */
+#define DEFINE_TILE(SUFFIX, TARGET, VEC, WIDTH, LOAD, FMADD, ZERO, REDUCE, RN, TM)                                    \
     __attribute__((target(TARGET))) static inline __attribute__((always_inline)) void tile_##SUFFIX(                 \
         const float* w, const float* x, float* y, int N, int K, int n, int m0, const int rn, const int tm) {          \
         VEC acc[RN][TM];                                                                                              \
@@ -268,8 +288,11 @@ static void matmul_rows(const uint8_t* w, const Split* x, float* y, int M, int N
         }                                                                                                             \
         for (int r = 0; r < rn; r++)                                                                                  \
             for (int t = 0; t < tm; t++) y[(int64_t)(m0 + t) * N + n + r] = REDUCE(acc[r][t]);                        \
-    }                                                                                                                 \
-    /* y[m_begin .. M, n0 .. n0 + rows) = x w^T, w the rows' dequantized floats [rows, K]. */                        \
+    }
+
+/* y[m_begin .. M, n0 .. n0 + rows) = x w^T, w the rows' dequantized floats [rows, K]: full RN x TM
+   tiles through FULL, the rest through the tile above. */
+#define DEFINE_FLOAT_TILES(SUFFIX, TARGET, FULL, RN, TM)                                                              \
     __attribute__((target(TARGET))) static void float_tiles_##SUFFIX(const float* w, const float* x, float* y,        \
                                                                      int m_begin, int M, int N, int K, int n0,        \
                                                                      int rows) {                                      \
@@ -278,14 +301,12 @@ static void matmul_rows(const uint8_t* w, const Split* x, float* y, int M, int N
             const int n = n0 + r0;                                                                                    \
             if (rows - r0 >= RN) {                                                                                    \
                 int m0 = m_begin;                                                                                     \
-                for (; m0 + TM <= M; m0 += TM) tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, TM);                          \
+                for (; m0 + TM <= M; m0 += TM) FULL(wr, x, y, N, K, n, m0);                                           \
                 switch (M - m0) { /* the last tokens in one narrower tile */                                           \
                     case 0: break;                                                                                    \
                     case 1: tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, 1); break;                                       \
-                    case 2: tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, TM > 2 ? 2 : 1); break;                          \
-                    case 3: tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, TM > 3 ? 3 : 1); break;                          \
-                    case 4: tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, TM > 4 ? 4 : 1); break;                          \
-                    default: tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, TM > 5 ? 5 : 1); break;                         \
+                    case 2: tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, 2); break;                                       \
+                    default: tile_##SUFFIX(wr, x, y, N, K, n, m0, RN, 3); break;                                      \
                 }                                                                                                     \
             } else {                                                                                                  \
                 for (int r = r0; r < rows; r++)                                                                       \
@@ -301,26 +322,147 @@ static inline float reduce256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* 4 x 6 tiles: 24 accumulators and 4 weight vectors of AVX-512's 32 registers. */
-DEFINE_FLOAT_TILES(avx512, "avx512f", __m512, 16, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_setzero_ps,
-                   _mm512_reduce_add_ps, 4, 6)
-/* 2 x 4 tiles: 8 accumulators and 2 weight vectors of AVX2's 16. */
-DEFINE_FLOAT_TILES(avx2, "avx2,fma", __m256, 8, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_setzero_ps, reduce256, 2, 4)
+/* A vector's 16 lanes summed in the order of tile4x4_avx512's tree: quarters q0 + q2 and q1 + q3,
+   then their sum c, then (c0 + c2) + (c1 + c3). */
+__attribute__((target("avx512f"))) static inline float reduce512(__m512 v) {
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(v, v, 0x44), _mm512_shuffle_f32x4(v, v, 0xEE));
+    const __m128 c = _mm_add_ps(_mm512_castps512_ps128(u), _mm512_extractf32x4_ps(u, 1));
+    const __m128 pairs = _mm_add_ps(_mm_shuffle_ps(c, c, 0x44), _mm_shuffle_ps(c, c, 0xEE));
+    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 0x55)));
+}
 
-static int avx512_supported, has_avx512;
+DEFINE_TILE(avx512, "avx512f", __m512, 16, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_setzero_ps, reduce512, 4, 3)
+
+/* A full 4 x 4 AVX-512 tile whose 16 sums reduce together through a transposing tree (about 3
+   instructions a sum, against 8 one vector at a time): lane 4 t + r of the result is row r's sum
+   for token t, so each token's four rows store as one 128-bit vector. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void tile4x4_avx512(
+    const float* w, const float* x, float* y, int N, int K, int n, int m0) {
+    __m512 acc[16]; /* acc[4 r + t] */
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16) {
+        __m512 wv[4];
+        for (int r = 0; r < 4; r++) wv[r] = _mm512_loadu_ps(w + (int64_t)r * K + k);
+        for (int t = 0; t < 4; t++) {
+            const __m512 xv = _mm512_loadu_ps(x + (int64_t)(m0 + t) * K + k);
+            for (int r = 0; r < 4; r++) acc[4 * r + t] = _mm512_fmadd_ps(wv[r], xv, acc[4 * r + t]);
+        }
+    }
+    __m512 u[8], v[4], s[2];
+    for (int i = 0; i < 8; i++) /* [a's q0 + q2, a's q1 + q3, b's q0 + q2, b's q1 + q3] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* quarter q: acc[4 i + q]'s four partial sums */
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* quarter q: [c0 + c2, c1 + c3] of acc[8 i + q] and acc[8 i + 4 + q] */
+        s[i] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(v[2 * i], v[2 * i + 1], 0xEE));
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xDD));
+    _mm_storeu_ps(y + (int64_t)m0 * N + n, _mm512_extractf32x4_ps(sums, 0));
+    _mm_storeu_ps(y + (int64_t)(m0 + 1) * N + n, _mm512_extractf32x4_ps(sums, 1));
+    _mm_storeu_ps(y + (int64_t)(m0 + 2) * N + n, _mm512_extractf32x4_ps(sums, 2));
+    _mm_storeu_ps(y + (int64_t)(m0 + 3) * N + n, _mm512_extractf32x4_ps(sums, 3));
+}
+
+DEFINE_FLOAT_TILES(avx512, "avx512f", tile4x4_avx512, 4, 4)
+
+DEFINE_TILE(avx2, "avx2,fma", __m256, 8, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_setzero_ps, reduce256, 2, 4)
+
+/* A full 2 x 4 AVX2 tile: 8 accumulators and 2 weight vectors of AVX2's 16 registers. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void tile2x4_avx2(
+    const float* w, const float* x, float* y, int N, int K, int n, int m0) {
+    tile_avx2(w, x, y, N, K, n, m0, 2, 4);
+}
+
+DEFINE_FLOAT_TILES(avx2, "avx2,fma", tile2x4_avx2, 2, 4)
+
+#define REGISTER_TOKENS 4
+
+/* The float path without the scratch, for up to REGISTER_TOKENS tokens on AVX-512: each block dequantized in
+   registers (dequantize_block16's operations) and multiplied into the tokens' accumulators with
+   the same FMAs, in the same order, and the same reduction as the tiles: the same bits as the
+   scratch path for every token. T a constant where inlined. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void register_tile16(
+    const uint8_t* w, const float* x, float* y, int N, int K, const int type, int n0, int n1, int m0, const int T) {
+    const int G = K / 32, block_bytes = block_bytes_of(type);
+    const int64_t row_bytes = (int64_t)G * block_bytes;
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t* row = w + (int64_t)n * row_bytes;
+        for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch((const char*)row + 2 * row_bytes + line, _MM_HINT_T0);
+        __m512 acc[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            const uint8_t* block = row + (int64_t)g * block_bytes;
+            const __m512 d = _mm512_set1_ps(half_at(block));
+            __m512 wv[2];
+            if (type == 8) {
+                for (int p = 0; p < 2; p++)
+                    wv[p] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(block + 2 + 16 * p)))));
+            } else {
+                const __m128i bytes = _mm_loadu_si128((const __m128i*)(block + (type == 3 ? 4 : 2)));
+                const __m128i parts[2] = {_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)};
+                for (int p = 0; p < 2; p++) {
+                    const __m512i q = _mm512_cvtepu8_epi32(parts[p]);
+                    wv[p] = type == 3 ? _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(half_at(block + 2)))
+                                      : _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8))));
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                const float* xt = x + (int64_t)(m0 + t) * K + g * 32;
+                acc[t] = _mm512_fmadd_ps(wv[0], _mm512_loadu_ps(xt), acc[t]);
+                acc[t] = _mm512_fmadd_ps(wv[1], _mm512_loadu_ps(xt + 16), acc[t]);
+            }
+        }
+        for (int t = 0; t < T; t++) y[(int64_t)(m0 + t) * N + n] = reduce512(acc[t]);
+    }
+}
+
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void register_rows16_of(
+    const uint8_t* w, const float* x, float* y, int M, int N, int K, const int type, int n0, int n1) {
+    for (int m0 = 0; m0 < M; m0 += 4) {
+        switch (M - m0) {
+            case 1: register_tile16(w, x, y, N, K, type, n0, n1, m0, 1); break;
+            case 2: register_tile16(w, x, y, N, K, type, n0, n1, m0, 2); break;
+            case 3: register_tile16(w, x, y, N, K, type, n0, n1, m0, 3); break;
+            default: register_tile16(w, x, y, N, K, type, n0, n1, m0, 4); break;
+        }
+    }
+}
+
+__attribute__((target("avx512f"))) static void register_rows16(const uint8_t* w, const float* x, float* y, int M,
+                                                                int N, int K, int type, int n0, int n1) {
+    switch (type) {
+        case 2: register_rows16_of(w, x, y, M, N, K, 2, n0, n1); break;
+        case 3: register_rows16_of(w, x, y, M, N, K, 3, n0, n1); break;
+        default: register_rows16_of(w, x, y, M, N, K, 8, n0, n1); break;
+    }
+}
+
+static int avx512_supported, has_avx512, vnni_supported;
 #define TOKEN_BLOCK_BYTES (256 * 1024)
 
 __attribute__((constructor)) static void detect_isa(void) {
     __builtin_cpu_init();
-    avx512_supported = has_avx512 = __builtin_cpu_supports("avx512f");
+    avx512_supported = has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    vnni_supported = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
 }
 
 /* The float path's instruction set: AVX-512 where `on` and the CPU has it, else AVX2 (tests
    take both). Returns 1 for AVX-512. */
 int gguf_use_avx512(int on) { return has_avx512 = on && avx512_supported; }
 
+/* Rows [n0, n1) of y[M, N] = x[M, K] W^T on the integer path, x split. */
+static void matmul_rows(const uint8_t* w, const Split* x, float* y, int M, int N, int K, int type, int n0, int n1) {
+    if (has_avx512 && vnni_supported)
+        matmul_rows_vnni(w, x, y, M, N, K, type, n0, n1);
+    else
+        matmul_rows_madd(w, x, y, M, N, K, type, n0, n1);
+}
+
 /* Tokens a step up to which a matmul takes the integer path (see the float path's comment above). */
-int gguf_int_tokens(void) { return has_avx512 ? 3 : 8; }
+int gguf_int_tokens(void) { return has_avx512 ? 1 : 8; }
 static inline int int_tokens(void) { return gguf_int_tokens(); }
 
 /* Tokens a step up to which gguf_matmul beats dequantizing W into one float32 GEMM (MKL's): with
@@ -343,17 +485,58 @@ static float* rows_scratch(int64_t floats) {
 }
 
 /* Rows [n0, n1) of y[M, N] = x[M, K] W^T through `scratch` (at least (n1 - n0) K floats). */
+/* dequantize_block's operations on 16 lanes, `type` a constant where inlined: the same values. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void dequantize_block16(
+    const uint8_t* block, const int type, float* out) {
+    const __m512 d = _mm512_set1_ps(half_at(block));
+    if (type == 8) {
+        for (int p = 0; p < 2; p++) {
+            const __m128i q = _mm_loadu_si128((const __m128i*)(block + 2 + 16 * p));
+            _mm512_storeu_ps(out + 16 * p, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+        }
+        return;
+    }
+    const __m128i bytes = _mm_loadu_si128((const __m128i*)(block + (type == 3 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i parts[2] = {_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)};
+    for (int p = 0; p < 2; p++) {
+        const __m512i q = _mm512_cvtepu8_epi32(parts[p]);
+        const __m512 value = type == 3 ? _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(half_at(block + 2)))
+                                       : _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8))));
+        _mm512_storeu_ps(out + 16 * p, value);
+    }
+}
+
+/* Rows [n0, n1) dequantized into out [n1 - n0, K], `type` a constant where inlined. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void dequantize_rows16_of(
+    const uint8_t* w, const int type, int K, int n0, int n1, float* out) {
+    const int G = K / 32, block_bytes = block_bytes_of(type);
+    for (int64_t b = (int64_t)n0 * G; b < (int64_t)n1 * G; b++)
+        dequantize_block16(w + b * block_bytes, type, out + (b - (int64_t)n0 * G) * 32);
+}
+
+__attribute__((target("avx512f"))) static void dequantize_rows16(const uint8_t* w, int type, int K, int n0, int n1,
+                                                                 float* out) {
+    switch (type) {
+        case 2: dequantize_rows16_of(w, 2, K, n0, n1, out); break;
+        case 3: dequantize_rows16_of(w, 3, K, n0, n1, out); break;
+        default: dequantize_rows16_of(w, 8, K, n0, n1, out); break;
+    }
+}
+
 static void float_rows(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int n0, int n1,
                        float* scratch) {
     const int G = K / 32, block_bytes = block_bytes_of(type);
-    for (int n = n0; n < n1; n++)
-        for (int g = 0; g < G; g++) {
+    if (has_avx512)
+        dequantize_rows16(w, type, K, n0, n1, scratch);
+    else
+        for (int64_t b = (int64_t)n0 * G; b < (int64_t)n1 * G; b++) {
             __m256 wv[4];
-            dequantize_block(w + ((int64_t)n * G + g) * block_bytes, type, wv);
-            for (int p = 0; p < 4; p++) _mm256_storeu_ps(scratch + (int64_t)(n - n0) * K + g * 32 + 8 * p, wv[p]);
+            dequantize_block(w + b * block_bytes, type, wv);
+            for (int p = 0; p < 4; p++) _mm256_storeu_ps(scratch + (b - (int64_t)n0 * G) * 32 + 8 * p, wv[p]);
         }
     /* Tokens in blocks whose activations stay in the L2 cache beside the rows' floats. */
-    const int token_block = (int)(TOKEN_BLOCK_BYTES / ((int64_t)K * sizeof(float))) / 6 * 6 + 6;
+    const int token_block = (int)(TOKEN_BLOCK_BYTES / ((int64_t)K * sizeof(float))) / 4 * 4 + 4;
     for (int m0 = 0; m0 < M; m0 += token_block) {
         const int m1 = m0 + token_block < M ? m0 + token_block : M;
         if (has_avx512)
@@ -542,6 +725,8 @@ static void matmul_chunk(void* ctx, int chunk, int member) {
     const int n0 = chunk * mm->chunk_rows, n1 = n0 + mm->chunk_rows < mm->N ? n0 + mm->chunk_rows : mm->N;
     if (mm->x != NULL)
         matmul_rows(mm->w, mm->x, mm->y, mm->M, mm->N, mm->K, mm->type, n0, n1);
+    else if (has_avx512 && mm->M <= REGISTER_TOKENS)
+        register_rows16(mm->w, mm->xf, mm->y, mm->M, mm->N, mm->K, mm->type, n0, n1);
     else
         float_rows(mm->w, mm->xf, mm->y, mm->M, mm->N, mm->K, mm->type, n0, n1, mm->scratch[member]);
 }
@@ -576,7 +761,8 @@ int gguf_matmul(const uint8_t* w, const float* x, float* y, int M, int N, int K,
     if (chunk_rows > N) chunk_rows = N;
     mm.chunk_rows = chunk_rows;
     const int chunks = (N + chunk_rows - 1) / chunk_rows;
-    const int64_t scratch_floats = mm.x == NULL ? (int64_t)chunk_rows * K : 0;
+    const int in_registers = has_avx512 && M <= REGISTER_TOKENS;
+    const int64_t scratch_floats = mm.x == NULL && !in_registers ? (int64_t)chunk_rows * K : 0;
     if (scratch_floats > 0 && (mm.scratch[0] = rows_scratch(scratch_floats)) == NULL) return -1;
     const int helpers = team_acquire(chunks, threads);
     if (helpers == 0) {
@@ -606,6 +792,15 @@ void gguf_dequantize(const uint8_t* w, float* out, int N, int K, int type, int t
     }
 }
 """
+
+_SOURCE = (
+    _SOURCE_HEAD
+    + _INT_PATH.substitute(suffix="madd", target="", pair_dot="PAIR_DOT_MADD")
+    + _INT_PATH.substitute(
+        suffix="vnni", target='__attribute__((target("avx512vnni,avx512vl")))', pair_dot="PAIR_DOT_VNNI"
+    )
+    + _SOURCE_TAIL
+)
 
 # How long the matmul's helpers spin after a call (us): a SmolLM2 decode step's gaps between its
 # layers' matmuls are ~0.1-0.5 ms (the 2-core machine, single stream: 33-36 ms a token at 1000 or
