@@ -86,16 +86,47 @@ def test_a_decode_step_matches_the_eager_layers(smollm2_blocks, rows: int) -> No
 
 
 @needs_kernels
+def test_a_step_with_prefill_chunks_matches_the_eager_layers(smollm2_blocks) -> None:
+    """A fresh prompt, a chunk after earlier ones and a decode row in one step: each token
+    attends up to its own position (its chunk's K/V written first), within float32 rounding of
+    the eager layers."""
+    model = smollm2_blocks
+    assert cpu_decode.attach(model)
+    step = model.model.fused_decode
+    generator = torch.Generator().manual_seed(11)
+    block_tables = [[4, 9], [17, 2], [30, 12]]
+    earlier = {1: 6, 2: 10}  # tokens each request already holds
+    kv_caches = allocate_kv_caches(model, num_blocks=32, block_size=BLOCK_SIZE)
+    lens = list(earlier.values())
+    _step(model, kv_caches, torch.randint(100, 10000, (sum(lens),), generator=generator), lens, lens, block_tables[1:])
+    eager_caches = {name: cache.clone() for name, cache in kv_caches.items()}
+    query_lens, seq_lens = [7, 5, 1], [7, 11, 11]
+    ids = torch.randint(100, 10000, (sum(query_lens),), generator=generator)
+    ran = []
+    model.model.fused_decode = _recording(step, ran)
+    fused = _step(model, kv_caches, ids, query_lens, seq_lens, block_tables)
+    model.model.fused_decode = None
+    eager = _step(model, eager_caches, ids, query_lens, seq_lens, block_tables)
+    model.model.fused_decode = step
+    assert ran and ran[0] is not None
+    torch.testing.assert_close(fused, eager, rtol=0, atol=2e-4)
+    for name, cache in kv_caches.items():
+        torch.testing.assert_close(cache, eager_caches[name], rtol=0, atol=1e-4)
+
+
+@needs_kernels
 def test_steps_it_does_not_cover_run_the_layers(smollm2_blocks) -> None:
-    """A step with a prefill row, or more decode rows than the kernels' limit, is not its to run."""
+    """A step of more tokens than the kernels' limit, or a plan of another backend's, or a cache
+    of another dtype, is not its to run."""
     model = smollm2_blocks
     assert cpu_decode.attach(model)
     step = model.model.fused_decode
     rows = step.max_rows + 1
     block_tables = [[i % 32] for i in range(rows)]
     kv_caches = allocate_kv_caches(model, num_blocks=32, block_size=BLOCK_SIZE)
-    for query_lens, seq_lens in [([1, 4], [5, 4]), ([1] * rows, [3] * rows)]:
-        metadata, positions = build_attn_metadata(query_lens, seq_lens, block_tables[: len(query_lens)], BLOCK_SIZE)
+    for query_lens, seq_lens in [([1, rows], [5, rows + 3]), ([1] * rows, [3] * rows)]:
+        tables = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]] if len(query_lens) == 2 else block_tables
+        metadata, positions = build_attn_metadata(query_lens, seq_lens, tables, BLOCK_SIZE)
         ids = torch.arange(100, 100 + sum(query_lens))
         assert step(ids, positions, forward_context(plan_step(metadata), kv_caches)) is None
     metadata, positions = build_attn_metadata([1], [3], [[0]], BLOCK_SIZE)  # not planned: another backend's
