@@ -29,6 +29,7 @@ from pagoda.config import (
 from pagoda.engine.batch_invariance import check_batch_invariant
 from pagoda.kv_transfer.disagg.params import private_ipc_address
 from pagoda.lora.config import LORA_ARGUMENTS, resolve_lora_config
+from pagoda.model.layers.quantization import gguf_kernels
 from pagoda.model.layers.quantization.config import (
     check_kv_cache_dtype,
     resolve_gguf_weights,
@@ -37,6 +38,13 @@ from pagoda.model.layers.quantization.config import (
 from pagoda.model.loader import load_hf_config, load_sampling_defaults, resolve_model, resolve_tokenizer
 from pagoda.pooling.config import resolve_pooler_config, resolve_task
 from pagoda.spec_decode.draft_config import resolve_draft_model, resolve_eagle_head
+
+# A GGUF model's dtype on the CPU under "auto" where the block kernels run: its linears stay 4-bit
+# blocks whatever the dtype, and the kernels (and the CPU decode step) compute in float32; bfloat16
+# would take torch's int4 kernel instead. On the 2-core AVX-512 BF16 machine (SmolLM2, 2026-12-08,
+# benchmarks/cpu_decode.py): float32 blocks 7.7-8.7 ms a token single stream, 358-379 tok/s at 32
+# streams; bfloat16 int4 30.0-30.8 ms and 180-182 tok/s.
+GGUF_CPU_AUTO_DTYPE = torch.float32
 
 _DTYPES = {
     "float32": torch.float32,
@@ -89,7 +97,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
     model_config.default_sampling = load_sampling_defaults(
         model_config.model, model_config.load_format, model_config.generation_config
     )
-    model_config.dtype = _resolve_dtype(model_config.dtype, device_config)
+    model_config.dtype = _resolve_dtype(model_config.dtype, device_config, model_config.load_format)
     model_config.quantization = resolve_quantization(
         model_config.quantization, model_config.hf_config, model_config.load_format, torch.device(device_config.device)
     )
@@ -216,12 +224,15 @@ def _resolve_speculative(
     return config
 
 
-def _resolve_dtype(dtype: str | torch.dtype, device_config: DeviceConfig) -> torch.dtype:
+def _resolve_dtype(dtype: str | torch.dtype, device_config: DeviceConfig, load_format: str = "auto") -> torch.dtype:
     """ "auto": bfloat16 where the hardware multiplies it natively (CUDA; CPUs with AVX-512 BF16 or
-    AMX, where it halves the bytes each step reads), else float32."""
+    AMX, where it halves the bytes each step reads), else float32; but a GGUF model on the CPU
+    stays float32 where the GGUF block kernels can run (`GGUF_CPU_AUTO_DTYPE`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
+        if not device_config.is_cuda and load_format == "gguf" and gguf_kernels.unavailable_reason() is None:
+            return GGUF_CPU_AUTO_DTYPE
         native_bf16 = device_config.is_cuda or cpu_platform.cpu_has_native_bf16()
         return torch.bfloat16 if native_bf16 else torch.float32
     if dtype not in _DTYPES:

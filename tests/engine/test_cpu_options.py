@@ -16,6 +16,7 @@ from pagoda.config import ConfigError, DeviceConfig
 from pagoda.cpu_platform import cpu_has_native_bf16  # the real one: tests/conftest.py stands in for it later
 from pagoda.engine.arg_utils import _resolve_dtype
 from pagoda.entrypoints.cli import build_parser, engine_kwargs
+from pagoda.model.layers.quantization import gguf_kernels
 from pagoda.worker.worker import Worker
 
 
@@ -72,6 +73,17 @@ def test_auto_dtype_on_the_cpu(monkeypatch, native_bf16: bool, expected: torch.d
     monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: native_bf16)
     assert _resolve_dtype("auto", DeviceConfig(device="cpu")) == expected
     assert _resolve_dtype("float32", DeviceConfig(device="cpu")) == torch.float32  # explicit stays
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_gguf_model_stays_float32_where_its_block_kernels_run(monkeypatch, kernels: bool) -> None:
+    """Its linears stay 4-bit blocks either way, read in float32 by the kernels: bfloat16 would buy
+    nothing and take the slower int4 path; without the kernels the CPU's native bfloat16 decides."""
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(gguf_kernels, "unavailable_reason", lambda: None if kernels else "no compiler")
+    expected = torch.float32 if kernels else torch.bfloat16
+    assert _resolve_dtype("auto", DeviceConfig(device="cpu"), "gguf") == expected
+    assert _resolve_dtype("bfloat16", DeviceConfig(device="cpu"), "gguf") == torch.bfloat16
 
 
 @pytest.mark.parametrize(

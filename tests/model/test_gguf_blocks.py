@@ -283,6 +283,7 @@ def test_gguf_weights_resolve_to_blocks_where_their_kernels_run(monkeypatch) -> 
         resolve("blocks", tp=2)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")  # torch's int4 there
     assert resolve("auto", dtype=torch.bfloat16) == "quantized"
+    assert resolve("blocks", dtype=torch.bfloat16) == "blocks"  # asked for: kept
     assert resolve("auto") == "blocks"
     monkeypatch.setattr(gguf_kernels, "unavailable_reason", lambda: "needs a C compiler (cc) on PATH to build them")
     assert resolve("auto") == "dequantized"

@@ -82,7 +82,9 @@ def resolve_gguf_weights(
     if gguf_weights == "quantized" and int4_reason is not None:
         raise ConfigError(f"gguf_weights 'quantized' {int4_reason}: use gguf_weights='dequantized'")
     fast = torch.backends.cpu.get_cpu_capability() in INT4_FAST_CAPABILITIES
-    if gguf_weights == "quantized" or (int4_reason is None and fast and dtype == torch.bfloat16):
+    if gguf_weights == "quantized" or (
+        gguf_weights == "auto" and int4_reason is None and fast and dtype == torch.bfloat16
+    ):
         return "quantized"
     blocks_reason = _why_not_blocks(model, device, quantization, batch_invariant, tensor_parallel_size)
     if gguf_weights == "blocks" and blocks_reason is not None:
