@@ -60,11 +60,13 @@ _SOURCE = r"""
 typedef int (*matmul_fn)(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int threads);
 typedef void (*task_fn)(void* ctx, int item, int member);
 typedef void (*parallel_fn)(task_fn fn, void* ctx, int items, int threads);
+typedef void (*hold_fn)(int on);
 
-/* The GGUF kernels' matmul and their team's parallel loop, the model's shape. */
+/* The GGUF kernels' matmul, their team's parallel loop and hold, the model's shape. */
 typedef struct {
     matmul_fn matmul;
     parallel_fn parallel_for;
+    hold_fn hold;
     int hidden, heads, kv_heads, head_dim, intermediate, weight_type, threads, block_size;
     float eps, scale;
 } Model;
@@ -237,10 +239,10 @@ static void silu_mul_row(void* ctx, int t, int member) {
    blocks_per_row] (requests NULL: row t, one token a request). Every token's K/V is written
    before any attends, so a prefill chunk's tokens see each other. Returns 0, or -1 where a GEMV
    could not allocate its activations' split. */
-int cpu_decode_step(const Model* m, const Layer* layers, int num_layers, const float* final_norm, float* hidden,
-                    int M, const int64_t* positions, const float* cos_cache, const float* sin_cache,
-                    const int64_t* slots, const int64_t* block_ids, int blocks_per_row, const int32_t* requests,
-                    const int32_t* seq_lens, const Scratch* s) {
+static int run_layers(const Model* m, const Layer* layers, int num_layers, const float* final_norm, float* hidden,
+                      int M, const int64_t* positions, const float* cos_cache, const float* sin_cache,
+                      const int64_t* slots, const int64_t* block_ids, int blocks_per_row, const int32_t* requests,
+                      const int32_t* seq_lens, const Scratch* s) {
     const int H = m->hidden, D = m->head_dim, I = m->intermediate, half = D / 2;
     const int q_width = m->heads * D, kv_width = m->kv_heads * D, qkv_width = q_width + 2 * kv_width;
     for (int l = 0; l < num_layers; l++) {
@@ -273,6 +275,18 @@ int cpu_decode_step(const Model* m, const Layer* layers, int num_layers, const f
         add_rms_norm(s->residual + (int64_t)t * H, hidden + (int64_t)t * H, final_norm, hidden + (int64_t)t * H, H, m->eps);
     return 0;
 }
+
+/* run_layers with the kernels' helpers spinning through the step (no torch work between its jobs). */
+int cpu_decode_step(const Model* m, const Layer* layers, int num_layers, const float* final_norm, float* hidden,
+                    int M, const int64_t* positions, const float* cos_cache, const float* sin_cache,
+                    const int64_t* slots, const int64_t* block_ids, int blocks_per_row, const int32_t* requests,
+                    const int32_t* seq_lens, const Scratch* s) {
+    m->hold(1);
+    const int status = run_layers(m, layers, num_layers, final_norm, hidden, M, positions, cos_cache, sin_cache, slots,
+                                  block_ids, blocks_per_row, requests, seq_lens, s);
+    m->hold(0);
+    return status;
+}
 """
 
 
@@ -280,6 +294,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         ("matmul", ctypes.c_void_p),
         ("parallel_for", ctypes.c_void_p),
+        ("hold", ctypes.c_void_p),
         *((name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")),
         *((name, ctypes.c_int) for name in ("weight_type", "threads", "block_size")),
         ("eps", ctypes.c_float),
@@ -404,6 +419,7 @@ class CPUDecodeStep:
         self.shape = _Model(
             ctypes.cast(gguf_kernels.load().gguf_matmul, ctypes.c_void_p).value,
             ctypes.cast(gguf_kernels.load().gguf_parallel_for, ctypes.c_void_p).value,
+            ctypes.cast(gguf_kernels.load().gguf_team_hold, ctypes.c_void_p).value,
             self.hidden,
             attention.qkv_proj.num_heads,
             attention.qkv_proj.num_kv_heads,
