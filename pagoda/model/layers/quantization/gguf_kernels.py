@@ -256,7 +256,7 @@ $target static void matmul_rows_$suffix(const uint8_t* w, const Split* x, float*
 )
 
 _SOURCE_TAIL = r"""
-/* Steps of more than int_tokens() tokens take the float path: a chunk's rows are dequantized once,
+/* Steps of more than int_tokens() tokens take the float path: a few rows at a time are dequantized,
    to the loader's values, into the thread's scratch, and every token's dot products with them run
    as FMAs, RN rows x TM tokens a tile (accumulators in registers, each weight vector loaded once a
    tile, each activation vector once a row group). The integer path above re-splits nothing but
@@ -442,6 +442,13 @@ __attribute__((target("avx512f"))) static void register_rows16(const uint8_t* w,
 
 static int avx512_supported, has_avx512, vnni_supported;
 #define TOKEN_BLOCK_BYTES (256 * 1024)
+/* Rows dequantized at a time: about GROUP_BYTES of floats (in the L1 cache), a multiple of 4
+   (both tiles' rows), at least 4. */
+#define GROUP_BYTES (32 * 1024)
+static inline int group_rows(int K) {
+    const int rows = (int)(GROUP_BYTES / ((int64_t)K * sizeof(float))) / 4 * 4;
+    return rows > 4 ? rows : 4;
+}
 
 __attribute__((constructor)) static void detect_isa(void) {
     __builtin_cpu_init();
@@ -484,7 +491,6 @@ static float* rows_scratch(int64_t floats) {
     return scratch;
 }
 
-/* Rows [n0, n1) of y[M, N] = x[M, K] W^T through `scratch` (at least (n1 - n0) K floats). */
 /* dequantize_block's operations on 16 lanes, `type` a constant where inlined: the same values. */
 __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void dequantize_block16(
     const uint8_t* block, const int type, float* out) {
@@ -524,25 +530,30 @@ __attribute__((target("avx512f"))) static void dequantize_rows16(const uint8_t* 
     }
 }
 
+/* Rows [n0, n1) of y[M, N] = x[M, K] W^T, group_rows(K) rows at a time dequantized into `scratch`
+   (group_rows(K) x K floats: it stays in the L1 cache, where a whole chunk's floats had been written
+   to L2 and read back: dequantizing took a third as long as the tiles at 32 tokens). Tokens run
+   in blocks whose activations stay in the L2 cache (a step of a few hundred rows: the LM head). */
 static void float_rows(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int n0, int n1,
                        float* scratch) {
     const int G = K / 32, block_bytes = block_bytes_of(type);
-    if (has_avx512)
-        dequantize_rows16(w, type, K, n0, n1, scratch);
-    else
-        for (int64_t b = (int64_t)n0 * G; b < (int64_t)n1 * G; b++) {
-            __m256 wv[4];
-            dequantize_block(w + b * block_bytes, type, wv);
-            for (int p = 0; p < 4; p++) _mm256_storeu_ps(scratch + (b - (int64_t)n0 * G) * 32 + 8 * p, wv[p]);
-        }
-    /* Tokens in blocks whose activations stay in the L2 cache beside the rows' floats. */
-    const int token_block = (int)(TOKEN_BLOCK_BYTES / ((int64_t)K * sizeof(float))) / 4 * 4 + 4;
+    const int token_block = (int)(TOKEN_BLOCK_BYTES / ((int64_t)K * sizeof(float))) / 4 * 4 + 4, group = group_rows(K);
     for (int m0 = 0; m0 < M; m0 += token_block) {
         const int m1 = m0 + token_block < M ? m0 + token_block : M;
-        if (has_avx512)
-            float_tiles_avx512(scratch, x, y, m0, m1, N, K, n0, n1 - n0);
-        else
-            float_tiles_avx2(scratch, x, y, m0, m1, N, K, n0, n1 - n0);
+        for (int r0 = n0; r0 < n1; r0 += group) {
+            const int r1 = r0 + group < n1 ? r0 + group : n1;
+            if (has_avx512) {
+                dequantize_rows16(w, type, K, r0, r1, scratch);
+                float_tiles_avx512(scratch, x, y, m0, m1, N, K, r0, r1 - r0);
+            } else {
+                for (int64_t b = (int64_t)r0 * G; b < (int64_t)r1 * G; b++) {
+                    __m256 wv[4];
+                    dequantize_block(w + b * block_bytes, type, wv);
+                    for (int p = 0; p < 4; p++) _mm256_storeu_ps(scratch + (b - (int64_t)r0 * G) * 32 + 8 * p, wv[p]);
+                }
+                float_tiles_avx2(scratch, x, y, m0, m1, N, K, r0, r1 - r0);
+            }
+        }
     }
 }
 
@@ -720,7 +731,7 @@ void gguf_set_spin_us(int spin_us) { spin_ns = (long)spin_us * 1000; }
 void gguf_team_hold(int on) { atomic_store(&held, on); }
 
 /* A matmul's job: the integer path's split activations (else NULL: the float path, with each
-   member's scratch of chunk_rows x K floats). */
+   member's scratch of group_rows(K) x K floats). */
 typedef struct {
     const uint8_t* w;
     const Split* x;
@@ -772,7 +783,7 @@ int gguf_matmul(const uint8_t* w, const float* x, float* y, int M, int N, int K,
     mm.chunk_rows = chunk_rows;
     const int chunks = (N + chunk_rows - 1) / chunk_rows;
     const int in_registers = has_avx512 && M <= REGISTER_TOKENS;
-    const int64_t scratch_floats = mm.x == NULL && !in_registers ? (int64_t)chunk_rows * K : 0;
+    const int64_t scratch_floats = mm.x == NULL && !in_registers ? (int64_t)group_rows(K) * K : 0;
     if (scratch_floats > 0 && (mm.scratch[0] = rows_scratch(scratch_floats)) == NULL) return -1;
     const int helpers = team_acquire(chunks, threads);
     if (helpers == 0) {
