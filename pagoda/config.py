@@ -30,7 +30,7 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 QUANTIZATION_METHODS = (None, "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 # How a GGUF's 4-bit linear weights (Q4_0, Q4_1) load: kept 4-bit for the CPU's int4 kernel
-# ("quantized"), kept as the file's blocks for Pagoda's AVX2 kernels ("blocks"), or dequantized
+# ("quantized"), kept as the file's blocks for Pagoda's AVX2 / AVX-512 kernels ("blocks"), or dequantized
 # to the model dtype; "auto": quantized for a bf16 model on an AVX-512 CPU, else blocks where
 # their kernels build (pagoda/model/layers/quantization/config.py).
 GGUF_WEIGHTS = ("auto", "quantized", "blocks", "dequantized")

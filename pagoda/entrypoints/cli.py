@@ -66,7 +66,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=["auto", "quantized", "blocks", "dequantized"],
         help="a GGUF's Q4_0/Q4_1 linear weights: quantized (kept 4-bit, torch's CPU int4 kernel), blocks (the "
-        "file's blocks, Pagoda's AVX2 kernels, built with the system's C compiler), dequantized (to the model "
+        "file's blocks, Pagoda's AVX2 / AVX-512 kernels, built with the system's C compiler), dequantized (to the model "
         "dtype); auto: quantized for a bfloat16 model on an AVX-512 CPU, else blocks where their kernels build "
         "(default: auto)",
     )

@@ -67,7 +67,7 @@ def resolve_gguf_weights(
     tensor_parallel_size: int = 1,
 ) -> str:
     """How the GGUF's linear weights load: "quantized" (torch's int4 kernel), "blocks" (the
-    file's blocks, Pagoda's AVX2 kernels) or "dequantized". "auto" picks the int4 kernel where it
+    file's blocks, Pagoda's own AVX2 / AVX-512 kernels) or "dequantized". "auto" picks the int4 kernel where it
     is fast (`INT4_FAST_CAPABILITIES`) and costs no precision a bf16 model has not given up
     already (its activations round to bf16), else the blocks where their kernels run (they
     dequantize exactly, so any dtype), else dequantizes; an explicit choice that cannot run is

@@ -74,7 +74,7 @@ class GGUFBlockConfig(QuantizationConfig):
 
 
 class GGUFBlockLinearMethod(LinearMethod):
-    """The file's blocks, multiplied by the AVX2 kernel (see the module docstring)."""
+    """The file's blocks, multiplied by Pagoda's CPU kernels (see the module docstring)."""
 
     def __init__(self, ggml_type: int) -> None:
         self.ggml_type = ggml_type
