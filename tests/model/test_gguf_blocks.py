@@ -160,11 +160,12 @@ def test_helpers_spin_only_where_openmp_threads_sleep(monkeypatch) -> None:
 
 
 @needs_kernels
-def test_callers_on_several_threads_share_the_team_or_work_alone() -> None:
-    """ctypes lets go of the GIL: a caller that finds the team busy computes alone, never mixes
-    into another's job."""
-    weights = [_blocks(640, 128, gguf.GGMLQuantizationType.Q4_0, seed=seed)[0] for seed in range(4)]
-    x = torch.randn(2, 128)
+@pytest.mark.parametrize("num_tokens", [2, 20])
+def test_callers_on_several_threads_share_the_team_or_work_alone(num_tokens: int) -> None:
+    """ctypes lets go of the GIL: a caller that finds the team busy computes alone (through its
+    own scratch on the float path), never mixes into another's job."""
+    weights = [_blocks(4000, 128, gguf.GGMLQuantizationType.Q4_0, seed=seed)[0] for seed in range(4)]  # 5 chunks
+    x = torch.randn(num_tokens, 128)
     expected = [gguf_kernels.matmul(KERNELS, blocks, x, 2, 1) for blocks in weights]
 
     def run(index: int) -> bool:

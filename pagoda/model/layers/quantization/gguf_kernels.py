@@ -8,21 +8,25 @@ reads them at that speed, and a direct AVX2 loop does (benchmarks/q4_gemv_cpu.py
 2026-12-07: SmolLM2's GEMVs a token 50.7 -> 11.4 ms with its prototype on two threads; in the
 engine, on one thread, its 4-bit layers take ~16 ms a token).
 
-The matmul multiplies integers: the weights enter exactly (a block's integers q and its fp16 d
-and m), and each token's activations are split per 32 values into two int16 parts, x ~ scale (h +
+At one token (AVX2 CPUs: up to eight) the matmul multiplies integers: the weights enter exactly
+(a block's integers q and its fp16 d and m), and each token's activations are split per 32 values into two int16 parts, x ~ scale (h +
 l / 65536) (~31 bits against the block's largest value), so a block's products are `vpmaddwd`
 multiply-adds summed exactly in int32; float32 rounding enters only where the blocks' sums are
 scaled and accumulated, and where a Q4 block's offset term (m times the block's sum of x) adds
 to them apart (the two partly cancel): within twice F.linear's error against float64 (tests).
 Against converting every weight to float32 and multiplying there, it takes about half
 the instructions a block (the 4-bit GEMVs were compute-bound at 3-5 GB/s on the 2-core AVX2
-machine). `gguf_dequantize` keeps the loader's float32 operations (d (q - 8); d q + m: a product,
-then a sum, `-ffp-contract=off`; d q): the larger steps' GEMMs use the loader's weights bit for bit.
+machine); VNNI's `vpdpwssd` takes the pairs where the CPU has it (the same sums). More tokens take
+the float path (see its comment in the source): rows dequantized to the loader's values a few at
+a time, AVX-512 or AVX2 FMA tiles, each row's sums in one order whatever the batch.
+`gguf_dequantize` keeps the loader's float32 operations (d (q - 8); d q + m: a product, then a
+sum, `-ffp-contract=off`; d q): the larger steps' GEMMs use the loader's weights bit for bit.
 
 `PAGODA_KERNEL_SPIN_US` is how long the matmul's helper threads spin for the next call before
 they sleep (`spin_us`): by default DEFAULT_SPIN_US where torch's OpenMP threads sleep between
 regions (`pagoda.OPENMP_THREADS_SLEEP`), else 0; 0 also where other processes need the cores more
-than this one's latency.
+than this one's latency. Inside the CPU decode step they spin whatever the setting
+(`gguf_team_hold`): no torch work runs there to take their cores.
 
 The source is built once per source hash with the system's C compiler into the user's cache
 (`PAGODA_KERNEL_CACHE`, else `$XDG_CACHE_HOME/pagoda/kernels`) and loaded with ctypes, which
