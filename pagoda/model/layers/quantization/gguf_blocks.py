@@ -5,11 +5,12 @@ rows (18 a block for Q4_0, 20 for Q4_1), so SmolLM2's 66 MB of 4-bit linears sta
 of 265 MB of float32. The token embedding and the LM head keep theirs too where the file stores
 them as Q4_0, Q4_1 or Q8_0 (SmolLM2's tied Q8_0 embedding: 30 MB instead of 113), see
 `VocabParallelEmbedding`. Up to `gguf_kernels.max_kernel_tokens()` tokens a step (8 with AVX2,
-64 with AVX-512), `gguf_kernels.matmul` reads the blocks directly; a larger step dequantizes the layer into a float32 scratch
-(`gguf_kernels.dequantize`, ~0.1-0.3 ms a SmolLM2 layer) and runs one GEMM, where the 4-bit
-read no longer dominates. Both take the weights exactly as the loader dequantizes them (the
-kernel multiplies their integers, see `gguf_kernels`), so only the activations' rounding and the
-sums' order differ from the dequantized path. On the 2-core AVX2 machine (benchmarks/cpu_decode.py, float32,
+64 with AVX-512), `gguf_kernels.matmul` reads the blocks directly; a larger step dequantizes the
+layer into a float32 scratch (`gguf_kernels.dequantize`, ~0.1-0.3 ms a SmolLM2 layer) and runs
+one GEMM, where the 4-bit read no longer dominates. Both take the weights exactly as the loader
+dequantizes them (the kernel multiplies their integers at a token, or dequantizes a few rows at a
+time for more, see `gguf_kernels`), so only the activations' rounding and the sums' order differ
+from the dequantized path. On the 2-core AVX2 machine (benchmarks/cpu_decode.py, float32,
 two rounds alternating): a single stream 49.8 / 48.8 ms a token against 65.1 / 62.7
 dequantized; 32 streams 100.3 / 102.8 tok/s against 112.2 / 108.4 (each such step dequantizes
 every layer again); resident memory 715 MiB against 1,049.
