@@ -35,12 +35,12 @@ from pagoda.model.layers.quantization import fp8_ops
 from pagoda.model.layers.quantization.fp8_ops import quantize_blocks, quantize_per_channel
 from pagoda.model.ops.triton_fp8_gemm import (
     GEMV_MAX_TOKENS,
-    Fp8GemvConfig,
     fp8_gemm,
     fp8_gemv,
     gemv_config,
     quantize_rows,
 )
+from pagoda.model.ops.triton_gemv import GemvConfig
 
 L2_MULTIPLE = 4
 MAX_COPIES = 32
@@ -132,14 +132,14 @@ def sweep_one(shape: Shape, w: Weights, m: int) -> str:
     x = torch.randn(m, shape.k, device="cuda", dtype=torch.bfloat16)
     copies = len(w.bf16)
 
-    def time(config: Fp8GemvConfig | None) -> float:
+    def time(config: GemvConfig | None) -> float:
         return graph_time_us(lambda i: fp8_gemv(x, *w.channel[i], config=config), copies)
 
     results = []
     for block_n, block_k in SWEEP_TILES:
         for split_k in SWEEP_SPLITS:
             for num_stages in SWEEP_STAGES:
-                config = Fp8GemvConfig(block_n, block_k, split_k, 8 if block_n >= 128 else 4, num_stages)
+                config = GemvConfig(block_n, block_k, split_k, 8 if block_n >= 128 else 4, num_stages)
                 try:
                     results.append((time(config), config))
                 except OutOfResources:
@@ -149,7 +149,7 @@ def sweep_one(shape: Shape, w: Weights, m: int) -> str:
     tbps = shape.n * shape.k / best_us / 1e6
     print(f"{shape.name:<16} M={m:<2} best {best_us:.1f} us ({tbps:.2f} TB/s), default {time(None):.1f} us ({default})")
     return (
-        f"    ({shape.n}, {shape.k}, {m}): Fp8GemvConfig({best.block_n}, {best.block_k}, {best.split_k}, "
+        f"    ({shape.n}, {shape.k}, {m}): GemvConfig({best.block_n}, {best.block_k}, {best.split_k}, "
         f"{best.num_warps}, {best.num_stages}),  # {shape.name}: {best_us:.1f} us, {tbps:.2f} TB/s"
     )
 

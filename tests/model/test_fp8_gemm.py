@@ -29,7 +29,8 @@ from pagoda.model.layers.quantization.fp8_ops import (
     quantize_blocks,
     quantize_per_channel,
 )
-from pagoda.model.ops.triton_fp8_gemm import Fp8GemvConfig, fp8_gemm, fp8_gemv, quantize_rows
+from pagoda.model.ops.triton_fp8_gemm import fp8_gemm, fp8_gemv, quantize_rows
+from pagoda.model.ops.triton_gemv import GemvConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -59,7 +60,7 @@ def test_weight_only_matches_dequantized_reference(m, n, k, block_size):
 
 
 @pytest.mark.parametrize("block_size", [None, BLOCK], ids=["per-channel", "block"])
-@pytest.mark.parametrize("config", [None, Fp8GemvConfig(block_n=16, block_k=16, split_k=3)], ids=["default", "split"])
+@pytest.mark.parametrize("config", [None, GemvConfig(block_n=16, block_k=16, split_k=3)], ids=["default", "split"])
 @pytest.mark.parametrize("m", [1, 16])
 def test_gemv_matches_dequantized_reference(m, config, block_size):
     """The decode GEMV in bf16, K split over programs or not, with a bias."""

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.model.ops.triton_gemv import SUM_BLOCK_SIZE, device_num_sms, sum_splits_kernel
+from pagoda.model.ops.triton_gemv import SUM_BLOCK_SIZE, GemvConfig, device_num_sms, sum_splits_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -43,21 +43,12 @@ GEMV_K_PER_SPLIT = 1024
 GEMV_MAX_SPLIT = 8
 
 
-@dataclass(frozen=True)
-class Fp8GemvConfig:
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
-
-
 # (N, K, M rounded up to a power of two) -> config, from `benchmarks/fp8_gemm.py --sweep` on the
 # target GPU; shapes not listed take `default_gemv_config`.
-TUNED_GEMV_CONFIGS: dict[tuple[int, int, int], Fp8GemvConfig] = {}
+TUNED_GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
 
 
-def default_gemv_config(n: int, k: int, scale_block_k: int, num_sms: int) -> Fp8GemvConfig:
+def default_gemv_config(n: int, k: int, scale_block_k: int, num_sms: int) -> GemvConfig:
     """64-row blocks stepping 128 FP8 bytes of K per row, K split into runs of about
     GEMV_K_PER_SPLIT (at most GEMV_MAX_SPLIT), 3 stages: the best of `benchmarks/fp8_gemm.py
     --sweep` for every Llama-3.1-8B shape at M <= 16 on the H200 (2026-12-02, 1.6-2.6 TB/s where
@@ -70,10 +61,10 @@ def default_gemv_config(n: int, k: int, scale_block_k: int, num_sms: int) -> Fp8
     block_n = 64
     while block_n > 16 and triton.cdiv(n, block_n) * split_k < num_sms:
         block_n //= 2
-    return Fp8GemvConfig(block_n, block_k, split_k, num_warps=4, num_stages=3)
+    return GemvConfig(block_n, block_k, split_k, num_warps=4, num_stages=3)
 
 
-def gemv_config(n: int, k: int, m: int, scale_block_k: int, device: torch.device) -> Fp8GemvConfig:
+def gemv_config(n: int, k: int, m: int, scale_block_k: int, device: torch.device) -> GemvConfig:
     tuned = TUNED_GEMV_CONFIGS.get((n, k, triton.next_power_of_2(max(m, 1))))
     if tuned is not None and not (scale_block_k and scale_block_k % tuned.block_k):
         return tuned
@@ -301,7 +292,7 @@ def fp8_gemv(
     *,
     block_size: tuple[int, int] | None = None,
     bias: torch.Tensor | None = None,
-    config: Fp8GemvConfig | None = None,
+    config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """x [M <= GEMV_MAX_TOKENS, K] in the activation dtype times FP8 `weight` [N, K]^T -> [M, N]
     in x's dtype; scales as `fp8_gemm`'s weight-only case. `config` overrides `gemv_config`."""

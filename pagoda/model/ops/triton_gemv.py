@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import triton
@@ -64,22 +65,35 @@ ROW_BLOCKS_PER_GROUP = 8
 
 
 @dataclass(frozen=True)
-class GemvConfig:
-    """How one call is tiled: rows per program, K step, K splits, and the launch options."""
+class SplitKConfig:
+    """How one GEMV call is tiled: rows per program, K step, K splits, and the launch options.
+    Its kinds differ in the smallest block they take (`min_block`) and their default stages."""
 
     block_n: int
     block_k: int
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    # The smallest block_n / block_k, and why (the message's tail); blocks are powers of two.
+    min_block: ClassVar[int] = 1
+    min_block_reason: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} ({value}) must be a power of two >= 16 (tl.dot's smallest tile)")
+            if value < self.min_block or value & (value - 1):
+                raise ValueError(f"{name} ({value}) must be a power of two{self.min_block_reason}")
         if self.split_k < 1:
             raise ValueError(f"split_k ({self.split_k}) must be >= 1")
+
+
+@dataclass(frozen=True)
+class GemvConfig(SplitKConfig):
+    """The dot-based GEMVs' tiling (this module's and the FP8 one's): blocks of at least tl.dot's
+    smallest tile."""
+
+    min_block: ClassVar[int] = 16
+    min_block_reason: ClassVar[str] = " >= 16 (tl.dot's smallest tile)"
 
 
 # (N, K, M rounded up to a power of two) -> config for 16-bit weights, measured on an H200 with

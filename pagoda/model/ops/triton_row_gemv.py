@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.model.ops.triton_gemv import SUM_BLOCK_SIZE, device_num_sms, sum_splits_kernel
+from pagoda.model.ops.triton_gemv import SUM_BLOCK_SIZE, SplitKConfig, device_num_sms, sum_splits_kernel
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 # Programs per SM the default config aims for before it splits K.
@@ -33,22 +33,11 @@ PROGRAMS_PER_SM = 4
 
 
 @dataclass(frozen=True)
-class RowGemvConfig:
-    """Rows per program, K elements per step, K splits, and the launch options."""
+class RowGemvConfig(SplitKConfig):
+    """Rows per program, K elements per step, K splits, and the launch options (no tl.dot: any
+    power-of-two block; one stage unless tuned)."""
 
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
     num_stages: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} ({value}) must be a power of two")
-        if self.split_k < 1:
-            raise ValueError(f"split_k ({self.split_k}) must be >= 1")
 
 
 # (N, K, weight dtype) -> config, from `python benchmarks/row_gemv.py` on the target GPU (these: an
