@@ -260,7 +260,7 @@ $target static void matmul_rows_$suffix(const uint8_t* w, const Split* x, float*
 )
 
 _SOURCE_TAIL = r"""
-/* Steps of more than int_tokens() tokens take the float path: a few rows at a time are dequantized,
+/* Steps of more than gguf_int_tokens() tokens take the float path: a few rows at a time are dequantized,
    to the loader's values, into the thread's scratch, and every token's dot products with them run
    as FMAs, RN rows x TM tokens a tile (accumulators in registers, each weight vector loaded once a
    tile, each activation vector once a row group). The integer path above re-splits nothing but
@@ -381,38 +381,44 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
 
 DEFINE_FLOAT_TILES(avx2, "avx2,fma", tile2x4_avx2, 2, 4)
 
+/* A block's 32 weights in two registers, with dequantize_block's operations on 16 lanes (the same
+   values), `type` a constant where inlined. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void dequantize_block16(
+    const uint8_t* block, const int type, __m512 w[2]) {
+    const __m512 d = _mm512_set1_ps(half_at(block));
+    if (type == 8) {
+        for (int p = 0; p < 2; p++)
+            w[p] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(block + 2 + 16 * p)))));
+        return;
+    }
+    const __m128i bytes = _mm_loadu_si128((const __m128i*)(block + (type == 3 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i parts[2] = {_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)};
+    for (int p = 0; p < 2; p++) {
+        const __m512i q = _mm512_cvtepu8_epi32(parts[p]);
+        w[p] = type == 3 ? _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(half_at(block + 2)))
+                         : _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8))));
+    }
+}
+
 #define REGISTER_TOKENS 4
 
 /* The float path without the scratch, for up to REGISTER_TOKENS tokens on AVX-512: each block dequantized in
-   registers (dequantize_block16's operations) and multiplied into the tokens' accumulators with
+   registers (dequantize_block16) and multiplied into the tokens' accumulators with
    the same FMAs, in the same order, and the same reduction as the tiles: the same bits as the
    scratch path for every token. T a constant where inlined. */
 __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void register_tile16(
     const uint8_t* w, const float* x, float* y, int N, int K, const int type, int n0, int n1, int m0, const int T) {
     const int G = K / 32, block_bytes = block_bytes_of(type);
     const int64_t row_bytes = (int64_t)G * block_bytes;
-    const __m128i mask = _mm_set1_epi8(0x0F);
     for (int n = n0; n < n1; n++) {
         const uint8_t* row = w + (int64_t)n * row_bytes;
         for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch((const char*)row + 2 * row_bytes + line, _MM_HINT_T0);
         __m512 acc[4];
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
         for (int g = 0; g < G; g++) {
-            const uint8_t* block = row + (int64_t)g * block_bytes;
-            const __m512 d = _mm512_set1_ps(half_at(block));
             __m512 wv[2];
-            if (type == 8) {
-                for (int p = 0; p < 2; p++)
-                    wv[p] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(block + 2 + 16 * p)))));
-            } else {
-                const __m128i bytes = _mm_loadu_si128((const __m128i*)(block + (type == 3 ? 4 : 2)));
-                const __m128i parts[2] = {_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)};
-                for (int p = 0; p < 2; p++) {
-                    const __m512i q = _mm512_cvtepu8_epi32(parts[p]);
-                    wv[p] = type == 3 ? _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(half_at(block + 2)))
-                                      : _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8))));
-                }
-            }
+            dequantize_block16(row + (int64_t)g * block_bytes, type, wv);
             for (int t = 0; t < T; t++) {
                 const float* xt = x + (int64_t)(m0 + t) * K + g * 32;
                 acc[t] = _mm512_fmadd_ps(wv[0], _mm512_loadu_ps(xt), acc[t]);
@@ -474,13 +480,12 @@ static void matmul_rows(const uint8_t* w, const Split* x, float* y, int M, int N
 
 /* Tokens a step up to which a matmul takes the integer path (see the float path's comment above). */
 int gguf_int_tokens(void) { return has_avx512 ? 1 : 8; }
-static inline int int_tokens(void) { return gguf_int_tokens(); }
 
 /* Tokens a step up to which gguf_matmul beats dequantizing W into one float32 GEMM (MKL's): with
    AVX-512 its float path kept up to about 64 tokens on SmolLM2's shapes (2 threads: 395 / 1,145 /
    641 us at 64 against 382 / 1,291 / 601 for 960 x 576 / 3072 x 576 / 576 x 1536) and fell behind
    past them (at 512: 2.7-9.2 ms against 1.9-6.1); on AVX2-only CPUs the integer path's 8. */
-int gguf_max_tokens(void) { return has_avx512 ? 64 : int_tokens(); }
+int gguf_max_tokens(void) { return has_avx512 ? 64 : gguf_int_tokens(); }
 
 /* The calling thread's scratch of at least `floats` floats, kept for its next calls (NULL where
    it could not be allocated). */
@@ -495,34 +500,16 @@ static float* rows_scratch(int64_t floats) {
     return scratch;
 }
 
-/* dequantize_block's operations on 16 lanes, `type` a constant where inlined: the same values. */
-__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void dequantize_block16(
-    const uint8_t* block, const int type, float* out) {
-    const __m512 d = _mm512_set1_ps(half_at(block));
-    if (type == 8) {
-        for (int p = 0; p < 2; p++) {
-            const __m128i q = _mm_loadu_si128((const __m128i*)(block + 2 + 16 * p));
-            _mm512_storeu_ps(out + 16 * p, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
-        }
-        return;
-    }
-    const __m128i bytes = _mm_loadu_si128((const __m128i*)(block + (type == 3 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i parts[2] = {_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)};
-    for (int p = 0; p < 2; p++) {
-        const __m512i q = _mm512_cvtepu8_epi32(parts[p]);
-        const __m512 value = type == 3 ? _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(half_at(block + 2)))
-                                       : _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8))));
-        _mm512_storeu_ps(out + 16 * p, value);
-    }
-}
-
 /* Rows [n0, n1) dequantized into out [n1 - n0, K], `type` a constant where inlined. */
 __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void dequantize_rows16_of(
     const uint8_t* w, const int type, int K, int n0, int n1, float* out) {
     const int G = K / 32, block_bytes = block_bytes_of(type);
-    for (int64_t b = (int64_t)n0 * G; b < (int64_t)n1 * G; b++)
-        dequantize_block16(w + b * block_bytes, type, out + (b - (int64_t)n0 * G) * 32);
+    for (int64_t b = (int64_t)n0 * G; b < (int64_t)n1 * G; b++) {
+        __m512 wv[2];
+        dequantize_block16(w + b * block_bytes, type, wv);
+        _mm512_storeu_ps(out + (b - (int64_t)n0 * G) * 32, wv[0]);
+        _mm512_storeu_ps(out + (b - (int64_t)n0 * G) * 32 + 16, wv[1]);
+    }
 }
 
 __attribute__((target("avx512f"))) static void dequantize_rows16(const uint8_t* w, int type, int K, int n0, int n1,
@@ -742,6 +729,7 @@ typedef struct {
     const float* xf;
     float* y;
     int M, N, K, type, chunk_rows;
+    int in_registers; /* the float path dequantizes in registers (no scratch) */
     float* scratch[MAX_HELPERS + 1];
 } Matmul;
 
@@ -750,7 +738,7 @@ static void matmul_chunk(void* ctx, int chunk, int member) {
     const int n0 = chunk * mm->chunk_rows, n1 = n0 + mm->chunk_rows < mm->N ? n0 + mm->chunk_rows : mm->N;
     if (mm->x != NULL)
         matmul_rows(mm->w, mm->x, mm->y, mm->M, mm->N, mm->K, mm->type, n0, n1);
-    else if (has_avx512 && mm->M <= REGISTER_TOKENS)
+    else if (mm->in_registers)
         register_rows16(mm->w, mm->xf, mm->y, mm->M, mm->N, mm->K, mm->type, n0, n1);
     else
         float_rows(mm->w, mm->xf, mm->y, mm->M, mm->N, mm->K, mm->type, n0, n1, mm->scratch[member]);
@@ -775,19 +763,19 @@ static int grow_helper_scratch(int helpers, int64_t floats) {
 }
 
 /* y[M, N] = x[M, K] W^T, W's rows as GGUF blocks of `type`, on the caller and up to `threads - 1`
-   helpers: the integer path up to int_tokens() tokens, the float path past them. Returns 0, or -1
+   helpers: the integer path up to gguf_int_tokens() tokens, the float path past them. Returns 0, or -1
    where the activations' split or a scratch could not be allocated (y untouched). */
 int gguf_matmul(const uint8_t* w, const float* x, float* y, int M, int N, int K, int type, int threads) {
     Matmul mm = {.w = w, .xf = x, .y = y, .M = M, .N = N, .K = K, .type = type};
-    if (M <= int_tokens() && (mm.x = split_for(x, M, K)) == NULL) return -1;
+    if (M <= gguf_int_tokens() && (mm.x = split_for(x, M, K)) == NULL) return -1;
     int chunk_rows = CHUNK_BYTES / ((K / 32) * block_bytes_of(type));
     if (chunk_rows < MIN_CHUNK_ROWS) chunk_rows = MIN_CHUNK_ROWS;
     if (chunk_rows < (N + 65534) / 65535) chunk_rows = (N + 65534) / 65535;  /* items fit the claim word's 16 bits */
     if (chunk_rows > N) chunk_rows = N;
     mm.chunk_rows = chunk_rows;
     const int chunks = (N + chunk_rows - 1) / chunk_rows;
-    const int in_registers = has_avx512 && M <= REGISTER_TOKENS;
-    const int64_t scratch_floats = mm.x == NULL && !in_registers ? (int64_t)group_rows(K) * K : 0;
+    mm.in_registers = has_avx512 && M <= REGISTER_TOKENS;
+    const int64_t scratch_floats = mm.x == NULL && !mm.in_registers ? (int64_t)group_rows(K) * K : 0;
     if (scratch_floats > 0 && (mm.scratch[0] = rows_scratch(scratch_floats)) == NULL) return -1;
     const int helpers = team_acquire(chunks, threads);
     if (helpers == 0) {
