@@ -450,10 +450,11 @@ class CPUDecodeStep:
         self.qkv_width = self.q_width + 2 * attention.qkv_proj.num_kv_heads * attention.head_size
         self.intermediate = mlp.gate_up_proj.gguf_blocks.shape[0] // 2
         method = attention.qkv_proj.quant_method
+        kernels = gguf_kernels.load()
         self.shape = _Model(
-            ctypes.cast(gguf_kernels.load().gguf_matmul, ctypes.c_void_p).value,
-            ctypes.cast(gguf_kernels.load().gguf_parallel_for, ctypes.c_void_p).value,
-            ctypes.cast(gguf_kernels.load().gguf_team_hold, ctypes.c_void_p).value,
+            ctypes.cast(kernels.gguf_matmul, ctypes.c_void_p).value,
+            ctypes.cast(kernels.gguf_parallel_for, ctypes.c_void_p).value,
+            ctypes.cast(kernels.gguf_team_hold, ctypes.c_void_p).value,
             self.hidden,
             attention.qkv_proj.num_heads,
             attention.qkv_proj.num_kv_heads,
